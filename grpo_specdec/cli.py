@@ -55,6 +55,33 @@ def _generate(args) -> None:
     )
 
 
+def _draft_train(args) -> None:
+    from grpo_specdec.draft.bootstrap import DraftBootstrapConfig, bootstrap_draft
+
+    cfg = DraftBootstrapConfig(
+        target=args.target,
+        out=args.out,
+        prompts=args.prompts,
+        task=args.task,
+        pairs=args.pairs,
+        init=args.init,
+        steps=args.steps,
+        num_prompts=args.num_prompts,
+        eval_prompts=args.eval_prompts,
+        k=args.k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        enforce_eager=args.eager,
+        train={"lr": args.lr, "batch_size": args.batch_size},
+    )
+    report = bootstrap_draft(
+        cfg, log=lambda msg: print(msg, file=sys.stderr if args.json else sys.stdout)
+    )
+    if args.json:
+        _write_json(args.json, report)
+    print(cfg.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo-specdec", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -89,6 +116,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--eager", action="store_true", help="skip torch.compile (faster start)")
     gen.add_argument("--json", required=True, help="where to write the outputs and metrics")
     gen.set_defaults(func=_generate)
+
+    draft = sub.add_parser("draft", help="EAGLE draft heads").add_subparsers(
+        dest="what", required=True
+    )
+    dtrain = draft.add_parser("train", help="train a draft head on the target's own generations")
+    dtrain.add_argument("--target", required=True)
+    src = dtrain.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help="file with one prompt per line")
+    src.add_argument("--task", choices=["arithmetic"], help="generated task prompts")
+    src.add_argument("--pairs", help="JSONL of {prompt, response} to train on as is")
+    dtrain.add_argument("--init", default=None, help="start from this head instead of a new one")
+    dtrain.add_argument("--out", required=True)
+    dtrain.add_argument("--steps", type=int, default=400)
+    dtrain.add_argument("--num-prompts", type=int, default=512)
+    dtrain.add_argument("--eval-prompts", type=int, default=32)
+    dtrain.add_argument("--k", type=int, default=3, help="draft tokens per step when measuring")
+    dtrain.add_argument("--max-tokens", type=int, default=128)
+    dtrain.add_argument("--lr", type=float, default=1e-3)
+    dtrain.add_argument("--batch-size", type=int, default=8)
+    dtrain.add_argument("--seed", type=int, default=0)
+    dtrain.add_argument("--eager", action="store_true")
+    dtrain.add_argument("--json", default=None, help="write the report here")
+    dtrain.set_defaults(func=_draft_train)
     return p
 
 

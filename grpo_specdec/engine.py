@@ -8,6 +8,7 @@ metrics.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -20,11 +21,27 @@ from pydantic import Field, model_validator
 
 from grpo_specdec.config import StrictModel
 from grpo_specdec.modelcheck import check_draft_matches_target, check_model_dir
+from vllm_plugin.settings import ENV as CONTROLLER_ENV
+from vllm_plugin.settings import ControllerSettings
+
+logger = logging.getLogger(__name__)
 
 
 class SpeculativeSettings(StrictModel):
     draft: str = Field(description="folder of an EAGLE draft head in vLLM's checkpoint format")
     k: int = Field(3, ge=1, le=16, description="draft tokens per step (the most, when adaptive)")
+    concurrency_aware: bool = Field(False, description="choose k each step with the controller")
+    controller: ControllerSettings = ControllerSettings()
+    batch_size_table: list[tuple[int, int, int]] | None = Field(
+        None,
+        description="vLLM's static (min_batch, max_batch, k) table; not with concurrency_aware",
+    )
+
+    @model_validator(mode="after")
+    def _one_k_source(self) -> SpeculativeSettings:
+        if self.concurrency_aware and self.batch_size_table:
+            raise ValueError("concurrency_aware and batch_size_table both choose k; use one")
+        return self
 
 
 class EngineConfig(StrictModel):
@@ -52,6 +69,7 @@ class SamplingSettings(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(64, ge=1)
     seed: int | None = None
+    ignore_eos: bool = Field(False, description="generate exactly max_tokens (benchmarks)")
 
     @model_validator(mode="after")
     def _greedy_means_one_sample(self) -> SamplingSettings:
@@ -71,37 +89,51 @@ class Sample:
 
 @dataclass
 class SpecCounters:
-    """vLLM's cumulative speculative-decoding counters at one moment."""
+    """Speculative-decoding counts over a set of sequences, from vLLM's per-sequence,
+    per-step records (so they belong to this engine and this call, whatever else runs)."""
 
-    drafts: int = 0
+    drafts: int = 0  # verify steps that had draft tokens
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
+    draft_length_hist: dict[int, int] = field(default_factory=dict)
 
-    def __sub__(self, earlier: SpecCounters) -> SpecCounters:
-        width = max(len(self.accepted_per_pos), len(earlier.accepted_per_pos))
-        pad = lambda xs: list(xs) + [0] * (width - len(xs))  # noqa: E731
-        return SpecCounters(
-            drafts=self.drafts - earlier.drafts,
-            draft_tokens=self.draft_tokens - earlier.draft_tokens,
-            accepted_tokens=self.accepted_tokens - earlier.accepted_tokens,
-            accepted_per_pos=[
-                a - b
-                for a, b in zip(
-                    pad(self.accepted_per_pos), pad(earlier.accepted_per_pos), strict=True
-                )
-            ],
-        )
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        width = max(drafted, len(self.drafted_per_pos))
+        for xs in (self.drafted_per_pos, self.accepted_per_pos):
+            xs.extend([0] * (width - len(xs)))
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.draft_length_hist[drafted] = self.draft_length_hist.get(drafted, 0) + 1
+        for i in range(drafted):
+            self.drafted_per_pos[i] += 1
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def observe_sequence(self, seq_metrics) -> None:
+        if seq_metrics is not None:
+            for drafted, accepted in zip(
+                seq_metrics.per_step_drafted, seq_metrics.per_step_accepted, strict=True
+            ):
+                self.observe(drafted, accepted)
 
     def metrics(self) -> dict:
-        drafts = max(self.drafts, 1)
         return {
             **asdict(self),
             "acceptance_rate": self.accepted_tokens / self.draft_tokens
             if self.draft_tokens
             else 0.0,
-            "mean_acceptance_length": self.accepted_tokens / drafts + 1.0 if self.drafts else 1.0,
-            "per_position_acceptance": [a / drafts for a in self.accepted_per_pos],
+            "mean_acceptance_length": self.accepted_tokens / self.drafts + 1.0
+            if self.drafts
+            else 1.0,
+            # P(position i accepted | a draft reached position i); k varies per step.
+            "per_position_acceptance": [
+                a / d for a, d in zip(self.accepted_per_pos, self.drafted_per_pos, strict=True)
+            ],
         }
 
 
@@ -124,17 +156,11 @@ class GenerationResult:
         }
 
 
-_COUNTER_NAMES = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
-}
-
-
 class Engine:
     """A running vLLM engine. Construct once; generate many times."""
 
     WORKER_EXTENSION = "vllm_plugin.weight_swap.WeightSwapExtension"
+    SCHEDULER = "vllm_plugin.scheduler.ConcurrencyAwareScheduler"
 
     def __init__(self, cfg: EngineConfig, **extra_llm_kwargs):
         self.cfg = cfg
@@ -160,15 +186,30 @@ class Engine:
             worker_extension_cls=self.WORKER_EXTENSION,
         )
         if cfg.speculative is not None:
+            kwargs["per_request_spec_decode_metrics"] = "detailed"
+        spec = cfg.speculative
+        if spec is not None:
             kwargs["speculative_config"] = {
                 "method": "eagle",
-                "model": cfg.speculative.draft,
-                "num_speculative_tokens": cfg.speculative.k,
+                "model": spec.draft,
+                "num_speculative_tokens": spec.k,
             }
+            table = spec.batch_size_table
+            if spec.concurrency_aware:
+                # The controller lives in the scheduler, in whichever process runs the
+                # engine core; its settings travel in the environment.
+                os.environ[CONTROLLER_ENV] = spec.controller.to_env()
+                kwargs["scheduler_cls"] = self.SCHEDULER
+                # Tell vLLM k varies per step (it sizes CUDA graphs for every k).
+                table = [(1, cfg.max_num_seqs, spec.k)]
+            if table:
+                kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = table
         kwargs.update(extra_llm_kwargs)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self._swap_files: dict[str, Path] = {}
+        self._device = self.llm.llm_engine.vllm_config.device_config.device_type
+        self._warned_seed = False
 
     # ---- prompts -------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
@@ -205,43 +246,54 @@ class Engine:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_tokens=sampling.max_tokens,
-            seed=sampling.seed,
+            seed=self._request_seed(sampling.seed),
+            ignore_eos=sampling.ignore_eos,
         )
-        before = self.spec_counters()
         start = time.perf_counter()
         raw = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=use_tqdm)
         wall = time.perf_counter() - start
-        outputs = [
-            [
-                Sample(o.text, list(o.token_ids), o.finish_reason)
-                for o in sorted(r.outputs, key=lambda o: o.index)
-            ]
-            for r in raw
-        ]
-        return GenerationResult(ids, outputs, (self.spec_counters() - before).metrics(), wall)
-
-    def spec_counters(self) -> SpecCounters:
         counters = SpecCounters()
-        for m in self.llm.get_metrics():
-            if m.name in _COUNTER_NAMES:
-                setattr(counters, _COUNTER_NAMES[m.name], int(m.value))
-            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                counters.accepted_per_pos = [int(v) for v in m.values]
-        return counters
+        outputs = []
+        for r in raw:
+            group = sorted(r.outputs, key=lambda o: o.index)
+            outputs.append([Sample(o.text, list(o.token_ids), o.finish_reason) for o in group])
+            for o in group:
+                counters.observe_sequence(o.spec_decode_metrics)
+        return GenerationResult(ids, outputs, counters.metrics(), wall)
+
+    def _request_seed(self, seed: int | None) -> int | None:
+        # vLLM 0.32 on CPU cannot combine per-request seeds with speculative decoding
+        # (its rejection sampler rewinds a CPU generator offset, which CPU generators
+        # lack). There, sampling follows the engine-wide seed instead.
+        if seed is None or self.cfg.speculative is None or self._device != "cpu":
+            return seed
+        if not self._warned_seed:
+            logger.warning(
+                "per-request seeds are ignored with speculative decoding on CPU; "
+                "the engine seed (%d) governs sampling",
+                self.cfg.seed,
+            )
+            self._warned_seed = True
+        return None
 
     # ---- weight swaps ----------------------------------------------------------------------
-    def swap_weights(self, role: str, weights: dict, version: int) -> dict:
+    def swap_weights(
+        self, role: str, weights: dict, version: int, metadata: dict | None = None
+    ) -> dict:
         """Load new `role` ("draft" or "policy") weights into the running engine.
 
         The weights go through a safetensors file in shared memory. The file of the last
         good swap is kept until the next one succeeds: the engine reloads it if a swap
         fails halfway. A rejected swap raises and leaves the engine on its old weights.
+        `metadata` declares config facts the weights were built for (e.g. vocab_size);
+        the engine rejects them if its model differs.
         """
         from safetensors.torch import save_file
 
         start = time.perf_counter()
         path = _swap_dir() / f"{role}-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(path))
+        tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+        save_file(tensors, str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
         written = time.perf_counter()
         try:
             report = self.llm.collective_rpc("grpo_swap_weights", args=(role, str(path), version))[
@@ -257,6 +309,12 @@ class Engine:
         # Cached prefixes hold KV computed with the old weights.
         self.llm.reset_prefix_cache()
         return {**report, "write_s": written - start, "total_s": time.perf_counter() - start}
+
+    def scheduler(self):
+        """The engine-core scheduler object (in-process engines only)."""
+        if self.cfg.engine_process != "in_process":
+            raise RuntimeError("the scheduler lives in another process; use an in_process engine")
+        return self.llm.llm_engine.engine_core.engine_core.scheduler
 
     def weight_versions(self) -> dict[str, int]:
         return self.llm.collective_rpc("grpo_weight_versions")[0]

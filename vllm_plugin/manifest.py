@@ -53,6 +53,17 @@ def read_manifest(model_dir: str | Path) -> Manifest:
     return manifest
 
 
+def validate_metadata(metadata: dict[str, str], hf_config: object, what: str) -> None:
+    """Config facts the sender declares (e.g. vocab_size) must match the model being served."""
+    problems = [
+        f"built for {key}={value}, the engine serves {key}={getattr(hf_config, key)}"
+        for key, value in sorted(metadata.items())
+        if hasattr(hf_config, key) and str(getattr(hf_config, key)) != value
+    ]
+    if problems:
+        raise WeightSwapError(f"rejected {what} weights: " + "; ".join(problems))
+
+
 def validate_weights(weights: dict[str, torch.Tensor], manifest: Manifest, what: str) -> None:
     missing = sorted(set(manifest) - set(weights))
     unexpected = sorted(set(weights) - set(manifest))

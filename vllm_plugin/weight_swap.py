@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vllm_plugin.manifest import (
@@ -25,6 +26,7 @@ from vllm_plugin.manifest import (
     WeightSwapError,
     checkpoint_files,
     read_manifest,
+    validate_metadata,
     validate_weights,
 )
 
@@ -79,8 +81,12 @@ class WeightSwapExtension:
         """Validate then load the safetensors file at `path` as the `role` model, version `version`."""
         t0 = time.perf_counter()
         manifest = self._grpo_manifest(role)
+        what = f"{role} (version {version}, {Path(path).name})"
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata() or {}
+        validate_metadata(metadata, self._grpo_target(role)[1].hf_config, what)
         weights = load_file(path)
-        validate_weights(weights, manifest, f"{role} (version {version}, {Path(path).name})")
+        validate_weights(weights, manifest, what)
         t1 = time.perf_counter()
         state = self._grpo_state()
         try:

@@ -95,6 +95,10 @@ class EagleHead(nn.Module):
                 {k[len("layers.0.") :]: v for k, v in sd.items() if k.startswith("layers.0.")}
             )
 
+    def swap_metadata(self) -> dict[str, str]:
+        """What the head was built for, checked by the engine before a hot-swap."""
+        return {"hidden_size": str(self.hidden_size), "vocab_size": str(self.vocab_size)}
+
     def export_dtype(self) -> torch.dtype:
         name = self.config.get("dtype") or self.config.get("torch_dtype") or "float32"
         return getattr(torch, name)

@@ -1,0 +1,151 @@
+"""The concurrency-aware scheduler inside a real vLLM engine (tiny models)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from grpo_specdec.engine import Engine, SamplingSettings
+from tests.conftest import tiny_engine_config
+from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
+from vllm_plugin.scheduler import K_METRIC, k_histogram
+
+# A roofline whose knee sits at 8 tokens: deep drafts pay at B=1, none at B>=16.
+LATENCY = LatencyModel(
+    HingeLatency(flat=20.0, slope=2.0, knee=8.0), LinearCost(base=1.0, per_seq=0.1)
+)
+K_MAX = 4
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    path.write_text(json.dumps({"latency": LATENCY.to_dict()}))
+    return str(path)
+
+
+def _aware_config(tiny_target, tiny_draft, profile_path, **overrides):
+    return tiny_engine_config(
+        tiny_target,
+        speculative={
+            "draft": tiny_draft,
+            "k": K_MAX,
+            "concurrency_aware": True,
+            "controller": {"profile": profile_path},
+        },
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+def aware_engine(tiny_target, tiny_draft, profile_path):
+    engine = Engine(_aware_config(tiny_target, tiny_draft, profile_path))
+    yield engine
+    engine.shutdown()
+
+
+def _fixed_length(n_prompts, questions, tokens=24):
+    return (questions * 4)[:n_prompts], SamplingSettings(max_tokens=tokens, ignore_eos=True)
+
+
+def test_no_drafts_at_high_concurrency_and_deep_drafts_alone(aware_engine, questions):
+    prompts, sampling = _fixed_length(32, questions)
+    crowded = aware_engine.generate(prompts, sampling).spec
+    assert crowded["draft_tokens"] == 0  # k = 0 at B = 32: vLLM's own counters agree
+    alone = aware_engine.generate(prompts[:1], sampling).spec
+    assert alone["drafts"] > 0 and alone["draft_tokens"] >= 3 * alone["drafts"]
+
+
+def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, questions):
+    scheduler = aware_engine.scheduler()
+    start = len(scheduler.step_trace)
+    hist_before = _k_counts()
+    prompts = (questions * 2)[:24]
+    # Requests of very different lengths, so concurrency decays within one batch.
+    out = aware_engine.llm.generate(
+        [{"prompt_token_ids": aware_engine.encode(p)} for p in prompts],
+        [_sampling(4 + 3 * i) for i in range(len(prompts))],
+        use_tqdm=False,
+    )
+    trace = list(scheduler.step_trace)[start:]
+    by_batch = {}
+    for _, b, k, _ in trace:
+        by_batch.setdefault(b, set()).add(k)
+    assert max(by_batch) >= 16 and min(by_batch) == 1
+    assert all(ks == {0} for b, ks in by_batch.items() if b >= 16)
+    assert min(by_batch[1]) >= 1 and max(by_batch[1]) >= 2
+    ks = [k for _, _, k, _ in trace]
+    assert ks[-1] >= ks[0]  # deeper drafts as the batch drains
+    hist_after = _k_counts()
+    assert Counter({k: hist_after[k] - hist_before.get(k, 0) for k in hist_after}) == Counter(ks)
+    assert K_METRIC in {m.name for m in aware_engine.llm.get_metrics()}
+    # Lossless: greedy outputs equal plain decoding, request by request.
+    plain = plain_engine.llm.generate(
+        [{"prompt_token_ids": aware_engine.encode(p)} for p in prompts],
+        [_sampling(4 + 3 * i) for i in range(len(prompts))],
+        use_tqdm=False,
+    )
+    assert [list(o.outputs[0].token_ids) for o in out] == [
+        list(o.outputs[0].token_ids) for o in plain
+    ]
+
+
+def _k_counts() -> Counter:
+    """Steps per k recorded in the scheduler's histogram metric."""
+    counts = Counter()
+    for sample in k_histogram().collect()[0].samples:
+        if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf":
+            counts[int(float(sample.labels["le"]))] += sample.value
+    # buckets are cumulative: turn them into counts per k
+    return Counter({k: counts[k] - counts.get(k - 1, 0) for k in counts})
+
+
+def _sampling(max_tokens):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_greedy_outputs_equal_plain_decoding(aware_engine, plain_engine, questions):
+    sampling = SamplingSettings(max_tokens=40)
+    for batch in (1, 5, 18):
+        got = aware_engine.generate(questions[:batch], sampling)
+        want = plain_engine.generate(questions[:batch], sampling)
+        assert [g[0].token_ids for g in got.outputs] == [g[0].token_ids for g in want.outputs]
+
+
+def test_plugin_loaded_but_disabled_engine_keeps_vllm_behaviour(eagle_engine, questions):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    import vllm_plugin
+
+    assert vllm_plugin.LOADED  # the general plugin ran in this (engine) process
+    scheduler = eagle_engine.scheduler()
+    assert type(scheduler).__module__.startswith("vllm.")
+    assert isinstance(scheduler, Scheduler) and scheduler.dynamic_sd_lookup is None
+    prompts, sampling = _fixed_length(32, questions)
+    spec = eagle_engine.generate(prompts, sampling).spec
+    assert spec["draft_tokens"] == 3 * spec["drafts"] > 0  # fixed k at any concurrency
+
+
+def test_concurrency_aware_engine_in_its_own_process(
+    tiny_target, tiny_draft, profile_path, questions
+):
+    engine = Engine(_aware_config(tiny_target, tiny_draft, profile_path, engine_process="separate"))
+    try:
+        prompts, sampling = _fixed_length(32, questions)
+        # Requests reach a separate engine process one by one, so the first steps may
+        # see a handful of requests and draft; once all 32 run, k is 0.
+        crowded = engine.generate(prompts, sampling).spec
+        assert crowded["draft_tokens"] <= 2 * K_MAX * 4
+        alone = engine.generate(prompts[:1], sampling).spec
+        assert alone["draft_tokens"] >= 3 * alone["drafts"] > 0
+    finally:
+        engine.shutdown()
+
+
+def test_missing_profile_is_a_clear_error(tiny_target, tiny_draft, tmp_path):
+    with pytest.raises(Exception, match="no latency profile at .*nope.json"):
+        Engine(_aware_config(tiny_target, tiny_draft, str(tmp_path / "nope.json")))

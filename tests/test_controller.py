@@ -1,0 +1,133 @@
+"""The k controller's properties, with no vLLM involved."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_plugin.controller import (
+    AcceptanceEstimator,
+    GoodputPolicy,
+    HingeLatency,
+    LatencyModel,
+    LinearCost,
+    PaperPolicy,
+    expected_tokens,
+    fit_latency,
+)
+
+K_MAX = 6
+MAX_BATCH = 128
+
+
+class FixedAcceptance(AcceptanceEstimator):
+    def __init__(self, conditional):
+        super().__init__(len(conditional))
+        self._p = np.asarray(conditional, dtype=float)
+
+    def conditional(self):
+        return self._p
+
+
+latencies = st.builds(
+    LatencyModel,
+    st.builds(
+        HingeLatency,
+        flat=st.floats(1.0, 100.0),
+        slope=st.floats(0.01, 5.0),
+        knee=st.floats(1.0, 256.0),
+    ),
+    st.builds(LinearCost, base=st.floats(0.0, 20.0), per_seq=st.floats(0.0, 1.0)),
+)
+acceptances = st.lists(st.floats(0.0, 1.0), min_size=K_MAX, max_size=K_MAX)
+
+
+@settings(max_examples=200, deadline=None)
+@given(latencies, acceptances)
+def test_k_is_non_increasing_in_batch_size_and_bounded(latency, p):
+    table = GoodputPolicy(latency, FixedAcceptance(p), MAX_BATCH).table()
+    assert (np.diff(table) <= 0).all()
+    assert table.min() >= 0 and table.max() <= K_MAX
+
+
+@settings(max_examples=200, deadline=None)
+@given(latencies, acceptances, st.lists(st.floats(0.0, 1.0), min_size=K_MAX, max_size=K_MAX))
+def test_k_does_not_decrease_when_acceptance_rises(latency, p, bump):
+    low = np.asarray(p)
+    high = np.minimum(low + np.asarray(bump) * (1 - low), 1.0)  # each position at least as likely
+    k_low = GoodputPolicy(latency, FixedAcceptance(low), MAX_BATCH).table()
+    k_high = GoodputPolicy(latency, FixedAcceptance(high), MAX_BATCH).table()
+    assert (k_high >= k_low).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(latencies, st.floats(0.0, 0.3))
+def test_k_is_zero_once_batch_fills_the_knee_and_acceptance_is_low(latency, p):
+    policy = GoodputPolicy(latency, FixedAcceptance([p] * K_MAX), MAX_BATCH)
+    past_knee = int(np.ceil(latency.c_peak)) + 1
+    # Past the knee every draft token costs at least slope * B ms; with low acceptance
+    # and a compute-bound step the extra tokens cannot pay for themselves.
+    if past_knee <= MAX_BATCH and latency.target.slope * past_knee >= latency.target.flat:
+        assert policy.choose(past_knee) == 0
+        assert policy.choose(MAX_BATCH) == 0
+
+
+def test_goodput_prefers_deep_drafts_when_memory_bound_and_none_when_compute_bound():
+    latency = LatencyModel(
+        HingeLatency(flat=24.0, slope=0.7, knee=12.0), LinearCost(base=2.0, per_seq=0.05)
+    )
+    policy = GoodputPolicy(latency, FixedAcceptance([0.8] * K_MAX), MAX_BATCH)
+    assert policy.choose(1) >= 4
+    assert policy.choose(64) == 0
+    assert policy.choose(10_000) == policy.choose(MAX_BATCH)
+
+
+def test_expected_tokens():
+    assert expected_tokens(np.array([0.5, 0.5])) == pytest.approx([1.0, 1.5, 1.75])
+    assert expected_tokens(np.array([1.0, 0.0, 1.0])) == pytest.approx([1.0, 2.0, 2.0, 2.0])
+
+
+def test_acceptance_estimator_learns_per_position_rates_and_decays_to_prior():
+    est = AcceptanceEstimator(3, prior=0.5, prior_weight=1.0, decay=0.5)
+    for _ in range(200):
+        est.observe(3, 3)  # all accepted
+        est.observe(3, 1)  # first accepted, second rejected
+    p = est.conditional()
+    assert p[0] == pytest.approx(1.0, abs=0.01)
+    assert p[1] == pytest.approx(0.5, abs=0.01)
+    assert p[2] == pytest.approx(1.0, abs=0.02)  # only the fully accepted drafts reached it
+    for _ in range(60):
+        est.step()
+    assert est.conditional() == pytest.approx([0.5, 0.5, 0.5], abs=1e-3)
+
+
+def test_acceptance_estimator_counts_only_positions_that_were_drafted():
+    est = AcceptanceEstimator(4, prior=0.5, prior_weight=1e-9)
+    est.observe(2, 2)  # a 2-token draft, both accepted: positions 0 and 1 only
+    assert est.tried.tolist() == [1, 1, 0, 0]
+    assert est.accepted.tolist() == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "batch,expected", [(1, 5), (8, 4), (16, 3), (32, 3), (64, 1), (100, 0), (160, 0)]
+)
+def test_paper_rule(batch, expected):
+    # C_peak 160, alpha 0.75, L in [3, 5]: B=64 -> N_verify 2 -> k 1; B=100 -> N_verify 1 -> off
+    assert PaperPolicy(160, k_max=8).choose(batch) == expected
+
+
+def test_fit_recovers_a_known_roofline():
+    truth = LatencyModel(
+        HingeLatency(flat=24.0, slope=0.75, knee=16.0), LinearCost(base=3.0, per_seq=0.1)
+    )
+    b, k = np.meshgrid([1, 2, 4, 8, 16, 32, 64], [0, 1, 2, 3, 4])
+    b, k = b.ravel(), k.ravel()
+    rng = np.random.default_rng(0)
+    ms = truth.step_ms(b, k) * (1 + 0.01 * rng.standard_normal(len(b)))
+    fitted, rms = fit_latency(b, k, ms)
+    assert rms < 1.0
+    assert fitted.c_peak == pytest.approx(16.0, abs=4.0)
+    assert fitted.target.slope == pytest.approx(0.75, rel=0.1)
+    assert fitted.draft.per_seq == pytest.approx(0.1, abs=0.05)

@@ -1,0 +1,201 @@
+"""Draft head parity with vLLM, and validated hot-swaps into a running engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo_specdec.draft.head import load_head, new_head
+from grpo_specdec.engine import Engine, SamplingSettings
+from tests.conftest import tiny_engine_config
+
+GREEDY = SamplingSettings(temperature=0.0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_target):
+    return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def trained_head(tiny_draft, tiny_target, hf_target):
+    return load_head(tiny_draft, tiny_target, hf_target)
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory, tiny_target, hf_target) -> str:
+    return str(
+        new_head(tiny_target, hf_target, seed=7).save(tmp_path_factory.mktemp("random_draft"))
+    )
+
+
+@pytest.fixture(scope="module")
+def swap_engine(tiny_target, random_draft):
+    engine = Engine(tiny_engine_config(tiny_target, random_draft))
+    yield engine
+    engine.shutdown()
+
+
+def _capture_first_draft_forward(worker):
+    """Runs inside the vLLM worker: record the draft model's first (prefill) forward."""
+    model = worker.get_draft_model()
+    record = {}
+
+    def hook(module, args, kwargs, output):
+        if not record:
+            record["input_ids"] = kwargs["input_ids"].clone()
+            record["positions"] = kwargs["positions"].clone()
+            record["hidden"] = kwargs["hidden_states"].clone()
+            record["out"] = output[0].clone()
+            record["logits"] = module.compute_logits(output[0]).clone()
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    worker._parity_capture = (record, handle)
+
+
+def _take_capture(worker):
+    record, handle = worker._parity_capture
+    handle.remove()
+    return {k: v.cpu() for k, v in record.items()}
+
+
+def test_pytorch_head_matches_vllm_draft_forward(eagle_engine, trained_head, questions):
+    eagle_engine.llm.collective_rpc(_capture_first_draft_forward)
+    eagle_engine.generate(questions[:1], SamplingSettings(max_tokens=4))
+    rec = eagle_engine.llm.collective_rpc(_take_capture)[0]
+    n = rec["input_ids"].shape[0]
+    assert n > 10  # the prompt prefill: the draft sees the whole prefix at once
+    with torch.no_grad():
+        out = trained_head(
+            rec["input_ids"][None].long(), rec["hidden"][None], rec["positions"][None].long()
+        )[0]
+        logits = trained_head.logits(out)
+    torch.testing.assert_close(out, rec["out"], atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(logits, rec["logits"][:, : logits.shape[1]], atol=2e-3, rtol=1e-3)
+    assert (logits.argmax(-1) == rec["logits"].argmax(-1)).all()
+
+
+def test_swap_raises_acceptance_without_restart_and_keeps_outputs(
+    swap_engine, plain_engine, trained_head, questions
+):
+    before = swap_engine.generate(questions, GREEDY)
+    assert swap_engine.weight_versions() == {"policy": 0, "draft": 0}
+    report = swap_engine.swap_weights(
+        "draft", trained_head.export_state_dict(torch.float32), version=1
+    )
+    assert report["version"] == 1 and report["total_s"] > 0
+    assert swap_engine.weight_versions()["draft"] == 1
+    after = swap_engine.generate(questions, GREEDY)
+    plain = plain_engine.generate(questions, GREEDY)
+    tokens = lambda r: [g[0].token_ids for g in r.outputs]  # noqa: E731
+    assert tokens(before) == tokens(after) == tokens(plain)
+    assert after.spec["mean_acceptance_length"] > before.spec["mean_acceptance_length"] + 0.5
+
+
+def _bad_weights(head, kind):
+    sd = head.export_state_dict(torch.float32)
+    if kind == "shape":
+        sd["fc.weight"] = sd["fc.weight"][:, :-1].contiguous()
+    elif kind == "nan":
+        sd["layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    elif kind == "missing":
+        del sd["layers.0.self_attn.o_proj.weight"]
+    elif kind == "dtype":
+        sd["fc.weight"] = sd["fc.weight"].to(torch.bfloat16)
+    elif kind == "hidden":
+        sd = {k: torch.zeros([2 * d for d in v.shape]) for k, v in sd.items()}
+    return sd
+
+
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("shape", r"fc.weight: shape \(128, 255\), expected \(128, 256\)"),
+        ("nan", r"layers.0.mlp.down_proj.weight: holds NaN or Inf"),
+        ("missing", r"missing tensors \['layers.0.self_attn.o_proj.weight'\]"),
+        ("dtype", r"fc.weight: dtype torch.bfloat16, expected torch.float32"),
+        ("hidden", r"fc.weight: shape \(256, 512\), expected \(128, 256\)"),
+    ],
+)
+def test_bad_swap_is_rejected_and_old_weights_keep_serving(
+    swap_engine, trained_head, questions, kind, message
+):
+    swap_engine.swap_weights("draft", trained_head.export_state_dict(torch.float32), version=5)
+    reference = swap_engine.generate(questions, GREEDY).spec
+    with pytest.raises(Exception, match=message):
+        swap_engine.swap_weights("draft", _bad_weights(trained_head, kind), version=6)
+    assert swap_engine.weight_versions()["draft"] == 5
+    assert swap_engine.generate(questions, GREEDY).spec == reference
+
+
+def test_head_for_another_vocabulary_is_rejected(
+    swap_engine, trained_head, hf_target, tiny_target, questions
+):
+    version = swap_engine.weight_versions()["draft"]
+    reference = swap_engine.generate(questions, GREEDY).spec
+    big_vocab = torch.nn.Embedding(4096, 128).weight
+    other = new_head(tiny_target, hf_target)
+    other.embed_weight, other.lm_head_weight = big_vocab, big_vocab
+    with pytest.raises(
+        Exception,
+        match=f"built for vocab_size=4096, the engine serves vocab_size={trained_head.vocab_size}",
+    ):
+        swap_engine.swap_weights(
+            "draft", other.export_state_dict(), version + 1, metadata=other.swap_metadata()
+        )
+    assert swap_engine.weight_versions()["draft"] == version
+    assert swap_engine.generate(questions, GREEDY).spec == reference
+
+
+def _fail_halfway(worker):
+    """Runs in the worker: the next draft load raises after loading some tensors."""
+    model = worker.get_draft_model()
+    original = model.load_weights
+
+    def broken(weights):
+        weights = list(weights)
+        original(weights[: len(weights) // 2])
+        model.load_weights = original
+        raise RuntimeError("simulated failure inside the worker")
+
+    model.load_weights = broken
+
+
+def test_failure_halfway_restores_previous_weights(swap_engine, trained_head, questions):
+    swap_engine.swap_weights("draft", trained_head.export_state_dict(torch.float32), version=10)
+    reference = swap_engine.generate(questions, GREEDY).spec
+    perturbed = {k: v + 0.5 for k, v in trained_head.export_state_dict(torch.float32).items()}
+    swap_engine.llm.collective_rpc(_fail_halfway)
+    with pytest.raises(Exception, match="simulated failure inside the worker.*restored version 10"):
+        swap_engine.swap_weights("draft", perturbed, version=11)
+    assert swap_engine.weight_versions()["draft"] == 10
+    assert swap_engine.generate(questions, GREEDY).spec == reference
+
+
+def test_policy_swap_changes_outputs_and_swaps_back(swap_engine, hf_target, questions):
+    original = {k: v.clone() for k, v in hf_target.state_dict().items() if k != "lm_head.weight"}
+    reference = [g[0].token_ids for g in swap_engine.generate(questions, GREEDY).outputs]
+    noisy = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
+    swap_engine.swap_weights("policy", noisy, version=1)
+    changed = [g[0].token_ids for g in swap_engine.generate(questions, GREEDY).outputs]
+    assert changed != reference
+    swap_engine.swap_weights("policy", original, version=2)
+    assert [g[0].token_ids for g in swap_engine.generate(questions, GREEDY).outputs] == reference
+    assert swap_engine.weight_versions()["policy"] == 2
+
+
+def test_swap_with_engine_in_its_own_process(tiny_target, random_draft, trained_head, questions):
+    engine = Engine(tiny_engine_config(tiny_target, random_draft, engine_process="separate"))
+    try:
+        before = engine.generate(questions, GREEDY)
+        engine.swap_weights("draft", trained_head.export_state_dict(torch.float32), version=3)
+        after = engine.generate(questions, GREEDY)
+        assert engine.weight_versions()["draft"] == 3
+        with pytest.raises(Exception, match="holds NaN"):
+            engine.swap_weights("draft", _bad_weights(trained_head, "nan"), version=4)
+        assert engine.weight_versions()["draft"] == 3
+    finally:
+        engine.shutdown()
+    assert [g[0].token_ids for g in before.outputs] == [g[0].token_ids for g in after.outputs]
+    assert after.spec["mean_acceptance_length"] > before.spec["mean_acceptance_length"] + 0.5

@@ -1,0 +1,101 @@
+"""`grpo-specdec draft train` and the draft trainer's guards."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo_specdec.draft.bootstrap import read_pairs
+from grpo_specdec.draft.capture import Sequence, capture_hidden
+from grpo_specdec.draft.head import load_head, new_head
+from grpo_specdec.draft.loss import make_batch
+from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
+from tests.conftest import run_cli
+
+
+def test_draft_train_raises_acceptance_measured_by_the_engine(tiny_target, tmp_path):
+    report_path = tmp_path / "report.json"
+    out = tmp_path / "head"
+    proc = run_cli(
+        "draft",
+        "train",
+        "--target",
+        tiny_target,
+        "--task",
+        "arithmetic",
+        "--out",
+        str(out),
+        "--steps",
+        "150",
+        "--num-prompts",
+        "192",
+        "--eval-prompts",
+        "12",
+        "--max-tokens",
+        "48",
+        "--lr",
+        "3e-3",
+        "--batch-size",
+        "16",
+        "--eager",
+        "--json",
+        str(report_path),
+    )
+    assert proc.stdout.strip().splitlines()[-1] == str(out)
+    report = json.loads(report_path.read_text())
+    for mode in ("greedy", "temperature_1"):
+        before = report["before"][mode]["mean_acceptance_length"]
+        after = report["after"][mode]["mean_acceptance_length"]
+        assert after > before + (0.5 if mode == "greedy" else 0.0), (mode, before, after)
+    assert report["train"]["steps"] == 200 and report["train"]["sequences"] == 192
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def tiny_seqs(tiny_target):
+    target = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+    rng = random.Random(0)
+    seqs = [Sequence([rng.randrange(100, 600) for _ in range(30)], prompt_len=10) for _ in range(8)]
+    return target, capture_hidden(target, seqs)
+
+
+def test_loss_masks_prompt_positions():
+    seqs = [Sequence(list(range(10)), prompt_len=4, hidden=torch.zeros(10, 8))]
+    batch = make_batch(seqs)
+    # position i predicts h_{i+1}; the draft first runs at i = prompt_len - 1
+    assert batch.mask[0].tolist() == [False] * 3 + [True] * 6
+    assert batch.next_ids[0].tolist() == list(range(1, 10))
+
+
+def test_non_finite_step_is_skipped_and_weights_untouched(tiny_seqs, tiny_target):
+    target, seqs = tiny_seqs
+    head = new_head(tiny_target, target)
+    trainer = DraftTrainer(head, DraftTrainConfig(lr=1e-2))
+    before = {k: v.clone() for k, v in head.export_state_dict().items()}
+    poisoned = [Sequence(s.token_ids, s.prompt_len, s.hidden.clone()) for s in seqs]
+    poisoned[0].hidden[12, 0] = float("nan")
+    stats = trainer.step(poisoned)
+    assert stats["skipped"] and trainer.skipped_steps == 1 and trainer.steps == 0
+    assert all(torch.equal(before[k], v) for k, v in head.export_state_dict().items())
+    trainer.step(seqs)
+    assert trainer.steps == 1
+    assert any(not torch.equal(before[k], v) for k, v in head.export_state_dict().items())
+
+
+def test_export_round_trip(tiny_seqs, tiny_target, tmp_path):
+    target, _ = tiny_seqs
+    head = new_head(tiny_target, target, seed=3)
+    again = load_head(head.save(tmp_path / "h"), tiny_target, target)
+    for k, v in head.export_state_dict().items():
+        assert torch.equal(v, again.export_state_dict()[k])
+
+
+def test_pairs_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')
+    with pytest.raises(ValueError, match=r"pairs.jsonl line 2"):
+        read_pairs(bad)

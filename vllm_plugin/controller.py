@@ -1,0 +1,202 @@
+"""How many tokens to draft this step: plain Python, testable without vLLM.
+
+Goodput of drafting k tokens at live concurrency B (tokens per millisecond):
+
+    G(B, k) = B * E[tokens per step | k] / (T(B * (k + 1)) + k * D(B))
+
+T(n) is the step latency with n tokens in the target forward (a roofline: flat while
+memory-bound, linear past the knee C_peak), D(B) the cost of one draft step over B
+sequences, and E[tokens | k] = 1 + sum_{i<k} prod_{j<=i} p_j with p_j the measured
+conditional acceptance at draft position j. The goodput policy picks the k with the
+largest G; the paper's rule and a fixed k sit behind the same interface.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class HingeLatency:
+    """T(n) = flat + slope * max(n - knee, 0), in milliseconds."""
+
+    flat: float
+    slope: float
+    knee: float
+
+    def __call__(self, n):
+        return self.flat + self.slope * np.maximum(np.asarray(n, dtype=float) - self.knee, 0.0)
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """D(B) = base + per_seq * B, in milliseconds."""
+
+    base: float
+    per_seq: float
+
+    def __call__(self, b):
+        return self.base + self.per_seq * np.asarray(b, dtype=float)
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    target: HingeLatency
+    draft: LinearCost
+
+    @property
+    def c_peak(self) -> float:
+        return self.target.knee
+
+    def step_ms(self, b, k):
+        b, k = np.asarray(b, dtype=float), np.asarray(k, dtype=float)
+        return self.target(b * (k + 1)) + k * self.draft(b)
+
+    def to_dict(self) -> dict:
+        return {"target": asdict(self.target), "draft": asdict(self.draft), "c_peak": self.c_peak}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LatencyModel:
+        return cls(HingeLatency(**d["target"]), LinearCost(**d["draft"]))
+
+
+def fit_latency(b, k, ms) -> tuple[LatencyModel, float]:
+    """Least-squares fit of step_ms(B, k) to measured steps; returns (model, rms error ms).
+
+    The knee is searched over the measured token counts; for each candidate the four
+    linear coefficients are solved with non-negativity enforced by dropping negative
+    terms and refitting.
+    """
+    b, k, ms = (np.asarray(x, dtype=float) for x in (b, k, ms))
+    n = b * (k + 1)
+    best = None
+    for knee in np.unique(np.concatenate([[0.0], n])):
+        features = np.stack([np.ones_like(n), np.maximum(n - knee, 0), k, k * b], axis=1)
+        active = np.ones(4, dtype=bool)
+        while True:
+            coef = np.zeros(4)
+            coef[active] = np.linalg.lstsq(features[:, active], ms, rcond=None)[0]
+            if (coef >= 0).all():
+                break
+            active &= coef > 0
+        sse = float(((features @ coef - ms) ** 2).sum())
+        if best is None or sse < best[0] - 1e-12:
+            best = (sse, knee, coef)
+    sse, knee, (flat, slope, d_base, d_per_seq) = best
+    model = LatencyModel(HingeLatency(flat, slope, knee), LinearCost(d_base, d_per_seq))
+    return model, math.sqrt(sse / len(ms))
+
+
+class AcceptanceEstimator:
+    """Conditional acceptance per draft position from exponentially decaying counts.
+
+    Position i is tried when the i tokens before it were accepted. Estimates shrink
+    toward the previous position's (and position 0 toward `prior`), so positions that
+    were rarely tried borrow strength instead of jumping to 0 or 1. Decay makes old
+    evidence fade, so estimates recover after the draft changes and k = 0 is not a
+    trap: with no new drafts, the estimate drifts back to the prior and drafting resumes.
+    """
+
+    def __init__(
+        self, k_max: int, prior: float = 0.6, prior_weight: float = 4.0, decay: float = 0.97
+    ):
+        self.k_max, self.prior, self.prior_weight, self.decay = k_max, prior, prior_weight, decay
+        self.tried = np.zeros(k_max)
+        self.accepted = np.zeros(k_max)
+        self.version = 0  # bumps when estimates change, so callers can cache
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        tried = min(num_accepted + 1, num_draft_tokens, self.k_max)
+        self.tried[:tried] += 1
+        self.accepted[: min(num_accepted, self.k_max)] += 1
+        self.version += 1
+
+    def step(self) -> None:
+        """Called once per engine step."""
+        if self.tried.any():
+            self.tried *= self.decay
+            self.accepted *= self.decay
+            self.version += 1
+
+    def conditional(self) -> np.ndarray:
+        p = np.empty(self.k_max)
+        previous = self.prior
+        for i in range(self.k_max):
+            p[i] = (self.accepted[i] + self.prior_weight * previous) / (
+                self.tried[i] + self.prior_weight
+            )
+            previous = p[i]
+        return p
+
+    def expected_tokens(self) -> np.ndarray:
+        return expected_tokens(self.conditional())
+
+
+def expected_tokens(conditional: np.ndarray) -> np.ndarray:
+    """E[tokens per step | k] for k = 0..len(conditional)."""
+    return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(conditional))])
+
+
+class Policy(Protocol):
+    def choose(self, batch_size: int) -> int: ...
+
+
+class FixedPolicy:
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, batch_size: int) -> int:
+        return self.k
+
+
+class PaperPolicy:
+    """FastGRPO's rule, for a chain draft: N_verify = min(C_peak // B, N_max) tokens per
+    sequence, depth L = clamp(floor(log2(N_verify / alpha)), L_min, L_max), k = min(L,
+    N_verify - 1, k_max)."""
+
+    def __init__(
+        self,
+        c_peak: float,
+        k_max: int,
+        alpha: float = 0.75,
+        l_min: int = 3,
+        l_max: int = 5,
+        n_max: int = 160,
+    ):
+        self.c_peak, self.k_max, self.alpha = c_peak, k_max, alpha
+        self.l_min, self.l_max, self.n_max = l_min, l_max, n_max
+
+    def choose(self, batch_size: int) -> int:
+        n_verify = min(int(self.c_peak // max(batch_size, 1)), self.n_max)
+        if n_verify <= 1:
+            return 0
+        depth = min(max(int(math.floor(math.log2(n_verify / self.alpha))), self.l_min), self.l_max)
+        return min(depth, n_verify - 1, self.k_max)
+
+
+class GoodputPolicy:
+    """argmax_k G(B, k), made non-increasing in B by a running minimum over B (the
+    latency model's knee makes larger batches never reward deeper drafts)."""
+
+    def __init__(self, latency: LatencyModel, estimator: AcceptanceEstimator, max_batch: int):
+        self.latency, self.estimator, self.max_batch = latency, estimator, max_batch
+        self._b = np.arange(1, max_batch + 1, dtype=float)[:, None]
+        self._k = np.arange(estimator.k_max + 1, dtype=float)[None, :]
+        self._step_ms = latency.step_ms(self._b, self._k)  # [B, k+1], fixed per profile
+        self._table: np.ndarray | None = None
+        self._version = -1
+
+    def table(self) -> np.ndarray:
+        """k for batch sizes 1..max_batch under the current acceptance estimates."""
+        if self._version != self.estimator.version or self._table is None:
+            goodput = self._b * self.estimator.expected_tokens()[None, :] / self._step_ms
+            self._table = np.minimum.accumulate(goodput.argmax(axis=1))
+            self._version = self.estimator.version
+        return self._table
+
+    def choose(self, batch_size: int) -> int:
+        return int(self.table()[min(max(batch_size, 1), self.max_batch) - 1])

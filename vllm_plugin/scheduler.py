@@ -1,0 +1,185 @@
+"""vLLM scheduler that chooses the number of draft tokens every step from live concurrency.
+
+Enable with `scheduler_cls="vllm_plugin.scheduler.ConcurrencyAwareScheduler"` (or
+`--scheduler-cls ...` for `vllm serve`) on an engine with EAGLE speculation; its
+`num_speculative_tokens` becomes k_max. Targets vLLM 0.32.
+
+It uses the scheduler's own dynamic-speculation hook: vLLM reads
+`dynamic_sd_lookup[batch_size]` once per step to get k (0 turns drafting off), so the
+lookup is replaced by the controller. Acceptance feeds back through
+`make_spec_decoding_stats`, which vLLM calls once per request that had drafts verified.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_plugin.controller import (
+    AcceptanceEstimator,
+    FixedPolicy,
+    GoodputPolicy,
+    LatencyModel,
+    PaperPolicy,
+    Policy,
+)
+from vllm_plugin.settings import ControllerSettings, profile_key, store_path
+
+logger = logging.getLogger(__name__)
+
+K_METRIC = "vllm:grpo_specdec_num_spec_tokens_per_step"
+_K_HISTOGRAM = None
+
+
+def k_histogram():
+    """Prometheus histogram of k per step, one per process, in vLLM's `vllm:` namespace so
+    `LLM.get_metrics()` and `/metrics` include it."""
+    global _K_HISTOGRAM
+    if _K_HISTOGRAM is None:
+        import prometheus_client
+
+        _K_HISTOGRAM = prometheus_client.Histogram(
+            K_METRIC,
+            "Draft tokens chosen per engine step by the concurrency-aware scheduler.",
+            labelnames=["model_name"],
+            buckets=list(range(17)),
+            registry=None,
+        )
+    return _K_HISTOGRAM
+
+
+def _ensure_registered(collector) -> None:
+    # vLLM drops every `vllm:` collector from the registry whenever an engine's stat
+    # loggers start (after this scheduler is built), so registration is checked per step.
+    import prometheus_client
+
+    registry = prometheus_client.REGISTRY
+    if collector not in registry._collector_to_names:
+        registry.register(collector)
+
+
+def load_latency(settings: ControllerSettings, vllm_config) -> LatencyModel:
+    spec = vllm_config.speculative_config
+    key = profile_key(
+        vllm_config.model_config.model,
+        str(vllm_config.model_config.dtype),
+        spec.model if spec else None,
+    )
+    path = Path(settings.profile) if settings.profile else store_path(key)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no latency profile at {path} for {key}; run `grpo-specdec profile --model "
+            f"{vllm_config.model_config.model} --draft {spec.model if spec else 'DRAFT'}` first, "
+            f"or name a profile in the GRPO_SPECDEC_CONTROLLER settings"
+        )
+    return LatencyModel.from_dict(json.loads(path.read_text())["latency"])
+
+
+def build_policy(
+    settings: ControllerSettings, estimator: AcceptanceEstimator, vllm_config
+) -> Policy:
+    k_max = estimator.k_max
+    if settings.policy == "fixed":
+        return FixedPolicy(k_max if settings.fixed_k is None else min(settings.fixed_k, k_max))
+    latency = load_latency(settings, vllm_config)
+    if settings.policy == "paper":
+        return PaperPolicy(latency.c_peak, k_max, alpha=settings.alpha)
+    return GoodputPolicy(latency, estimator, vllm_config.scheduler_config.max_num_seqs)
+
+
+class _PolicyLookup:
+    """Stands in for vLLM's dense batch-size -> k table."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def __getitem__(self, batch_size: int) -> int:
+        return self.policy.choose(batch_size)
+
+
+class ConcurrencyAwareMixin:
+    def _init_controller(self) -> None:
+        if self.num_spec_tokens <= 0:
+            raise ValueError(
+                "ConcurrencyAwareScheduler needs speculative decoding: set a speculative_config "
+                "whose num_speculative_tokens is the largest k to draft"
+            )
+        self.controller_settings = ControllerSettings.from_env()
+        self.acceptance = AcceptanceEstimator(
+            self.num_spec_tokens,
+            prior=self.controller_settings.acceptance_prior,
+            decay=self.controller_settings.acceptance_decay,
+        )
+        self.policy = build_policy(self.controller_settings, self.acceptance, self.vllm_config)
+        self.dynamic_sd_lookup = _PolicyLookup(self.policy)
+        # (monotonic time, running requests, k, decode-only step), one per step.
+        self.step_trace: deque = deque(maxlen=self.controller_settings.trace_steps)
+        self._k_metric = k_histogram().labels(
+            model_name=self.vllm_config.model_config.served_model_name
+        )
+        logger.info(
+            "concurrency-aware speculation: policy %s, k_max %d",
+            self.controller_settings.policy,
+            self.num_spec_tokens,
+        )
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        if out.num_scheduled_tokens:
+            self.acceptance.step()
+            k = out.num_spec_tokens_to_schedule
+            decode_only = not out.scheduled_new_reqs and all(
+                n == 1 + len(out.scheduled_spec_decode_tokens.get(req, ()))
+                for req, n in out.num_scheduled_tokens.items()
+            )
+            self.step_trace.append(
+                (time.monotonic(), len(out.num_scheduled_tokens), k, decode_only)
+            )
+            _ensure_registered(k_histogram())
+            self._k_metric.observe(k)
+        return out
+
+    def make_spec_decoding_stats(
+        self,
+        spec_decoding_stats,
+        num_draft_tokens,
+        num_accepted_tokens,
+        num_invalid_spec_tokens,
+        request_id,
+    ):
+        invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)
+        if num_draft_tokens - invalid > 0:
+            self.acceptance.observe(num_draft_tokens - invalid, num_accepted_tokens)
+        return super().make_spec_decoding_stats(
+            spec_decoding_stats,
+            num_draft_tokens,
+            num_accepted_tokens,
+            num_invalid_spec_tokens,
+            request_id,
+        )
+
+
+class ConcurrencyAwareScheduler(ConcurrencyAwareMixin, Scheduler):
+    """The one class users name. vLLM turns async scheduling on by default for EAGLE,
+    and then needs an AsyncScheduler; construction picks the matching variant."""
+
+    def __new__(cls, vllm_config, *args, **kwargs):
+        if cls is ConcurrencyAwareScheduler and vllm_config.scheduler_config.async_scheduling:
+            return AsyncConcurrencyAwareScheduler(vllm_config, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_controller()
+
+
+class AsyncConcurrencyAwareScheduler(ConcurrencyAwareMixin, AsyncScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_controller()

@@ -1,0 +1,88 @@
+"""Settings of the concurrency-aware scheduler, and where it finds its latency profile.
+
+The scheduler runs wherever vLLM runs its engine core (this process or a child), so
+its settings travel in one environment variable, GRPO_SPECDEC_CONTROLLER, holding JSON.
+Without it, defaults apply and the profile is looked up in the profile store under
+the served model, dtype and hardware, as `grpo-specdec profile` saved it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ENV = "GRPO_SPECDEC_CONTROLLER"
+
+
+class ControllerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["goodput", "paper", "fixed"] = "goodput"
+    profile: str | None = Field(None, description="PROFILE.json; default: the profile store")
+    fixed_k: int | None = Field(None, ge=0, description="k for the fixed policy (default: k_max)")
+    alpha: float = Field(0.75, gt=0, description="paper policy: draft-quality constant")
+    acceptance_prior: float = Field(0.6, gt=0, lt=1)
+    acceptance_decay: float = Field(0.97, gt=0, le=1)
+    trace_steps: int = Field(100_000, ge=0, description="per-step (time, B, k) records kept")
+
+    @classmethod
+    def from_env(cls) -> ControllerSettings:
+        raw = os.environ.get(ENV)
+        if not raw:
+            return cls()
+        try:
+            return cls.model_validate(json.loads(raw))
+        except (json.JSONDecodeError, ValueError) as err:
+            raise ValueError(f"{ENV} is not valid controller settings JSON: {err}") from None
+
+    def to_env(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+def hardware_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    for line in (
+        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    ):
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    return platform.processor() or platform.machine()
+
+
+def profile_key(model: str, dtype: str, draft: str | None) -> dict:
+    return {
+        "model": str(Path(model).resolve()) if Path(model).exists() else model,
+        "dtype": dtype.removeprefix("torch."),
+        "draft_arch": _draft_arch(draft),
+        "hardware": hardware_name(),
+    }
+
+
+def _draft_arch(draft: str | None) -> str | None:
+    cfg = Path(draft or "") / "config.json"
+    if not draft or not cfg.is_file():
+        return None
+    arch = json.loads(cfg.read_text()).get("architectures") or [None]
+    return arch[0]
+
+
+def profile_store() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "grpo-specdec" / "profiles"
+
+
+def store_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return profile_store() / f"{digest}.json"
