@@ -82,6 +82,22 @@ def _draft_train(args) -> None:
     print(cfg.out)
 
 
+def _profile(args) -> None:
+    from grpo_specdec.profile import ProfileConfig, run_profile
+
+    cfg = ProfileConfig(
+        model=args.model,
+        draft=args.draft,
+        dtype=args.dtype,
+        k_max=args.k_max,
+        batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        steps=args.steps,
+        enforce_eager=args.eager,
+    )
+    run_profile(cfg, args.out, args.plot)
+    print(args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo-specdec", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -139,6 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
     dtrain.add_argument("--eager", action="store_true")
     dtrain.add_argument("--json", default=None, help="write the report here")
     dtrain.set_defaults(func=_draft_train)
+
+    prof = sub.add_parser(
+        "profile", help="measure step latency vs tokens per step; fit the roofline"
+    )
+    prof.add_argument("--model", required=True)
+    prof.add_argument("--draft", default=None, help="EAGLE head (needed to time steps with drafts)")
+    prof.add_argument("--out", required=True, help="PROFILE.json (also saved to the profile store)")
+    prof.add_argument("--plot", default=None, help="PNG of T(n) with its knee")
+    prof.add_argument("--dtype", default="auto")
+    prof.add_argument("--k-max", type=int, default=4)
+    prof.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    prof.add_argument("--steps", type=int, default=16)
+    prof.add_argument("--eager", action="store_true")
+    prof.set_defaults(func=_profile)
     return p
 
 

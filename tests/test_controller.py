@@ -9,26 +9,19 @@ from hypothesis import strategies as st
 
 from vllm_plugin.controller import (
     AcceptanceEstimator,
+    FrozenAcceptance,
     GoodputPolicy,
     HingeLatency,
     LatencyModel,
     LinearCost,
     PaperPolicy,
+    conditional_from_cumulative,
     expected_tokens,
     fit_latency,
 )
 
 K_MAX = 6
 MAX_BATCH = 128
-
-
-class FixedAcceptance(AcceptanceEstimator):
-    def __init__(self, conditional):
-        super().__init__(len(conditional))
-        self._p = np.asarray(conditional, dtype=float)
-
-    def conditional(self):
-        return self._p
 
 
 latencies = st.builds(
@@ -47,7 +40,7 @@ acceptances = st.lists(st.floats(0.0, 1.0), min_size=K_MAX, max_size=K_MAX)
 @settings(max_examples=200, deadline=None)
 @given(latencies, acceptances)
 def test_k_is_non_increasing_in_batch_size_and_bounded(latency, p):
-    table = GoodputPolicy(latency, FixedAcceptance(p), MAX_BATCH).table()
+    table = GoodputPolicy(latency, FrozenAcceptance(p), MAX_BATCH).table()
     assert (np.diff(table) <= 0).all()
     assert table.min() >= 0 and table.max() <= K_MAX
 
@@ -57,15 +50,15 @@ def test_k_is_non_increasing_in_batch_size_and_bounded(latency, p):
 def test_k_does_not_decrease_when_acceptance_rises(latency, p, bump):
     low = np.asarray(p)
     high = np.minimum(low + np.asarray(bump) * (1 - low), 1.0)  # each position at least as likely
-    k_low = GoodputPolicy(latency, FixedAcceptance(low), MAX_BATCH).table()
-    k_high = GoodputPolicy(latency, FixedAcceptance(high), MAX_BATCH).table()
+    k_low = GoodputPolicy(latency, FrozenAcceptance(low), MAX_BATCH).table()
+    k_high = GoodputPolicy(latency, FrozenAcceptance(high), MAX_BATCH).table()
     assert (k_high >= k_low).all()
 
 
 @settings(max_examples=200, deadline=None)
 @given(latencies, st.floats(0.0, 0.3))
 def test_k_is_zero_once_batch_fills_the_knee_and_acceptance_is_low(latency, p):
-    policy = GoodputPolicy(latency, FixedAcceptance([p] * K_MAX), MAX_BATCH)
+    policy = GoodputPolicy(latency, FrozenAcceptance([p] * K_MAX), MAX_BATCH)
     past_knee = int(np.ceil(latency.c_peak)) + 1
     # Past the knee every draft token costs at least slope * B ms; with low acceptance
     # and a compute-bound step the extra tokens cannot pay for themselves.
@@ -78,7 +71,7 @@ def test_goodput_prefers_deep_drafts_when_memory_bound_and_none_when_compute_bou
     latency = LatencyModel(
         HingeLatency(flat=24.0, slope=0.7, knee=12.0), LinearCost(base=2.0, per_seq=0.05)
     )
-    policy = GoodputPolicy(latency, FixedAcceptance([0.8] * K_MAX), MAX_BATCH)
+    policy = GoodputPolicy(latency, FrozenAcceptance([0.8] * K_MAX), MAX_BATCH)
     assert policy.choose(1) >= 4
     assert policy.choose(64) == 0
     assert policy.choose(10_000) == policy.choose(MAX_BATCH)
@@ -131,3 +124,7 @@ def test_fit_recovers_a_known_roofline():
     assert fitted.c_peak == pytest.approx(16.0, abs=4.0)
     assert fitted.target.slope == pytest.approx(0.75, rel=0.1)
     assert fitted.draft.per_seq == pytest.approx(0.1, abs=0.05)
+
+
+def test_conditional_from_cumulative():
+    assert conditional_from_cumulative([0.8, 0.4, 0.0, 0.0]) == pytest.approx([0.8, 0.5, 0.0, 0.0])

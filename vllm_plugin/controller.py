@@ -136,6 +136,24 @@ class AcceptanceEstimator:
         return expected_tokens(self.conditional())
 
 
+class FrozenAcceptance(AcceptanceEstimator):
+    """Known conditional acceptance that does not learn (offline tables, tests)."""
+
+    def __init__(self, conditional):
+        super().__init__(len(conditional))
+        self._conditional = np.asarray(conditional, dtype=float)
+
+    def conditional(self) -> np.ndarray:
+        return self._conditional
+
+
+def conditional_from_cumulative(cumulative) -> np.ndarray:
+    """P(position i accepted | positions < i accepted) from P(positions <= i all accepted)."""
+    cumulative = np.asarray(cumulative, dtype=float)
+    previous = np.concatenate([[1.0], cumulative[:-1]])
+    return np.divide(cumulative, previous, out=np.zeros_like(cumulative), where=previous > 0)
+
+
 def expected_tokens(conditional: np.ndarray) -> np.ndarray:
     """E[tokens per step | k] for k = 0..len(conditional)."""
     return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(conditional))])

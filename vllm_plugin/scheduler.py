@@ -116,8 +116,7 @@ class ConcurrencyAwareMixin:
             prior=self.controller_settings.acceptance_prior,
             decay=self.controller_settings.acceptance_decay,
         )
-        self.policy = build_policy(self.controller_settings, self.acceptance, self.vllm_config)
-        self.dynamic_sd_lookup = _PolicyLookup(self.policy)
+        self.set_policy(build_policy(self.controller_settings, self.acceptance, self.vllm_config))
         # (monotonic time, running requests, k, decode-only step), one per step.
         self.step_trace: deque = deque(maxlen=self.controller_settings.trace_steps)
         self._k_metric = k_histogram().labels(
@@ -128,6 +127,12 @@ class ConcurrencyAwareMixin:
             self.controller_settings.policy,
             self.num_spec_tokens,
         )
+
+    def set_policy(self, policy: Policy | list[int]) -> None:
+        """Change where k comes from, at run time: a policy, or a dense batch-size -> k
+        list exactly as vLLM builds from `num_speculative_tokens_per_batch_size`."""
+        self.policy = policy
+        self.dynamic_sd_lookup = policy if isinstance(policy, list) else _PolicyLookup(policy)
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)

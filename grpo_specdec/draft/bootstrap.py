@@ -24,6 +24,7 @@ from grpo_specdec.draft.head import load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, read_prompts_file
 from grpo_specdec.tasks.arithmetic import make_problems
+from vllm_plugin.controller import FixedPolicy
 
 
 class DraftBootstrapConfig(StrictModel):
@@ -93,6 +94,7 @@ def _prompt_split(cfg: DraftBootstrapConfig) -> tuple[list[str], list[str]]:
 
 
 def _acceptance(engine: Engine, prompts: list[str], cfg: DraftBootstrapConfig) -> dict:
+    engine.scheduler().set_policy(FixedPolicy(cfg.k))
     out = {}
     for name, temperature in (("greedy", 0.0), ("temperature_1", 1.0)):
         res = engine.generate(
@@ -122,6 +124,7 @@ def _training_sequences(
     sampling = SamplingSettings(
         temperature=cfg.gen_temperature, max_tokens=cfg.max_tokens, seed=cfg.seed
     )
+    engine.scheduler().set_policy(FixedPolicy(0))  # the starting head may be untrained
     res = engine.generate(prompts, sampling, use_tqdm=True)
     return [
         Sequence(p + g[0].token_ids, len(p))
@@ -166,7 +169,13 @@ def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
                 max_model_len=cfg.max_model_len,
                 seed=cfg.seed,
                 enforce_eager=cfg.enforce_eager,
-                speculative={"draft": start_dir, "k": cfg.k},
+                # A fixed-k scheduler lets one engine measure at k and generate at k = 0.
+                speculative={
+                    "draft": start_dir,
+                    "k": cfg.k,
+                    "concurrency_aware": True,
+                    "controller": {"policy": "fixed"},
+                },
             )
         )
         try:

@@ -1,0 +1,90 @@
+"""Shared set-up of the benchmarks: SmolLM2, its EAGLE head and its latency profile,
+each rebuilt by the project's own commands when absent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+ASSETS = DOCS / "assets"
+
+
+def cli(*args: str) -> str:
+    """Run `grpo-specdec ARGS`; return the last line it printed (the path it wrote)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_specdec", *args], check=True, capture_output=True, text=True
+    )
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def smollm2() -> str:
+    return cli("models", "prepare", "smollm2")
+
+
+def head_dir() -> Path:
+    from grpo_specdec.assets.smollm2 import default_dir
+
+    return default_dir().parent / "heads" / "smollm2-arith"
+
+
+def smollm2_head(target: str) -> str:
+    """The EAGLE head bootstrapped on the arithmetic task (about 15 minutes on 2 CPU cores)."""
+    out = head_dir()
+    if not (out / "model.safetensors").is_file():
+        cli(
+            "draft",
+            "train",
+            "--target",
+            target,
+            "--task",
+            "arithmetic",
+            "--out",
+            str(out),
+            "--steps",
+            "300",
+            "--num-prompts",
+            "512",
+            "--max-tokens",
+            "128",
+        )
+    return str(out)
+
+
+def smollm2_profile(target: str, draft: str, k_max: int) -> Path:
+    out = head_dir().parent / f"smollm2-profile-k{k_max}.json"
+    if not out.is_file():
+        ASSETS.mkdir(parents=True, exist_ok=True)
+        cli(
+            "profile",
+            "--model",
+            target,
+            "--draft",
+            draft,
+            "--k-max",
+            str(k_max),
+            "--out",
+            str(out),
+            "--plot",
+            str(ASSETS / "profile_smollm2.png"),
+        )
+    return out
+
+
+def write_section(doc: Path, marker: str, body: str) -> None:
+    """Replace the text between `<!-- marker -->` and `<!-- /marker -->` in doc."""
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    text = doc.read_text() if doc.is_file() else ""
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,187 @@
+"""`grpo-specdec profile`: measure engine step latency on this hardware and fit the roofline.
+
+Real engine steps are timed: B sequences decoding together while the scheduler drafts a
+fixed k each step, for a grid of B and k. Step time is the interval between successive
+scheduler steps (model forward, sampling, drafting and bookkeeping: everything a step
+costs). The fit gives T(n), the step latency with n = B * (k + 1) tokens in the target
+forward, whose knee is C_peak, and D(B), the cost of one draft step over B sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field
+
+from grpo_specdec.config import StrictModel
+from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+from grpo_specdec.tasks.arithmetic import make_problems
+from vllm_plugin.controller import FixedPolicy, LatencyModel, fit_latency
+from vllm_plugin.settings import profile_key, store_path
+
+
+class ProfileConfig(StrictModel):
+    model: str
+    draft: str | None = None
+    dtype: str = "auto"
+    k_max: int = Field(4, ge=1, le=16)
+    batch_sizes: list[int] = [1, 2, 4, 8, 16, 32, 64]
+    steps: int = Field(16, ge=4, description="decode steps timed per (B, k)")
+    max_model_len: int = 1024
+    enforce_eager: bool = False
+
+
+def _time_steps(engine: Engine, prompts: list[str], batch: int, k: int, steps: int) -> list[float]:
+    """Milliseconds of each decode-only step with exactly `batch` running and `k` drafted."""
+    scheduler = engine.scheduler()
+    scheduler.set_policy(FixedPolicy(k))
+    start = len(scheduler.step_trace)
+    # Enough tokens for `steps` decode steps even if every draft is accepted, plus a few
+    # for prefill and the first step, whose draft length differs.
+    engine.generate(
+        prompts[:batch], SamplingSettings(max_tokens=(steps + 4) * (k + 1), ignore_eos=True)
+    )
+    trace = list(scheduler.step_trace)[start:]
+    return [
+        1000 * (after[0] - before[0])
+        for before, after in zip(trace, trace[1:])
+        if before[1] == batch and before[2] == k and before[3]
+    ][:steps]
+
+
+def measure(cfg: ProfileConfig, log=print) -> list[dict]:
+    spec = None
+    if cfg.draft:
+        # The fixed policy lets the profile set k per run; k = 0 turns drafting off.
+        spec = {
+            "draft": cfg.draft,
+            "k": cfg.k_max,
+            "concurrency_aware": True,
+            "controller": {"policy": "fixed", "fixed_k": cfg.k_max},
+        }
+    max_batch = max(cfg.batch_sizes)
+    engine = Engine(
+        EngineConfig(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=max_batch,
+            enforce_eager=cfg.enforce_eager,
+            speculative=spec,
+        )
+    )
+    try:
+        if spec is None:
+            raise ValueError(
+                "profile needs --draft: decode steps with k drafts per sequence are what it times"
+            )
+        prompts = [p.question for p in make_problems(max_batch, seed=1, level=2)]
+        _time_steps(engine, prompts, max_batch, cfg.k_max, 4)  # warm up every code path
+        rows = []
+        for batch in cfg.batch_sizes:
+            for k in range(cfg.k_max + 1):
+                samples = _time_steps(engine, prompts, batch, k, cfg.steps)
+                if samples:
+                    ms = statistics.median(samples)
+                    rows.append(
+                        {
+                            "batch": batch,
+                            "k": k,
+                            "tokens": batch * (k + 1),
+                            "ms": ms,
+                            "samples": len(samples),
+                        }
+                    )
+                    log(f"B={batch:4d} k={k}: {ms:7.2f} ms/step over {len(samples)} steps")
+        return rows
+    finally:
+        engine.shutdown()
+
+
+def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
+    latency, rms = fit_latency(
+        [r["batch"] for r in rows], [r["k"] for r in rows], [r["ms"] for r in rows]
+    )
+    dtype = (
+        cfg.dtype
+        if cfg.dtype != "auto"
+        else json.loads((Path(cfg.model) / "config.json").read_text()).get("dtype", "auto")
+    )
+    return {
+        "key": profile_key(cfg.model, dtype, cfg.draft),
+        "latency": latency.to_dict(),
+        "fit_rms_ms": rms,
+        "measurements": rows,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def plot_profile(profile: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    latency = LatencyModel.from_dict(profile["latency"])
+    rows = profile["measurements"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    n = np.array([r["tokens"] for r in rows], dtype=float)
+    target_ms = np.array([r["ms"] - r["k"] * float(latency.draft(r["batch"])) for r in rows])
+    ax1.scatter(
+        n,
+        target_ms,
+        c=[r["k"] for r in rows],
+        cmap="viridis",
+        label="measured (draft cost removed)",
+    )
+    grid = np.linspace(1, n.max(), 400)
+    ax1.plot(grid, latency.target(grid), "k-", label="fit T(n)")
+    ax1.axvline(
+        latency.c_peak, color="r", ls="--", label=f"knee C_peak = {latency.c_peak:.0f} tokens"
+    )
+    ax1.set(
+        xscale="log",
+        xlabel="tokens in the target forward n = B(k+1)",
+        ylabel="ms",
+        title="Step latency T(n)",
+    )
+    ax1.legend(fontsize=8)
+    for k in sorted({r["k"] for r in rows}):
+        pts = [(r["batch"], r["ms"]) for r in rows if r["k"] == k]
+        b = np.array([p[0] for p in pts], dtype=float)
+        ax2.scatter(b, [p[1] for p in pts], label=f"k={k}")
+        ax2.plot(b, latency.step_ms(b, k), "--", lw=1)
+    ax2.set(
+        xscale="log",
+        xlabel="concurrency B",
+        ylabel="ms per step",
+        title="Measured steps (points) vs model (dashed)",
+    )
+    ax2.legend(fontsize=8)
+    fig.suptitle(
+        f"{Path(profile['key']['model']).name} on {profile['key']['hardware']}", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_profile(
+    cfg: ProfileConfig, out: str | Path, plot: str | Path | None = None, log=print
+) -> dict:
+    profile = build_profile(cfg, measure(cfg, log))
+    for path in {Path(out), store_path(profile["key"])}:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile, indent=1))
+    if plot:
+        plot_profile(profile, plot)
+    lat = profile["latency"]
+    log(
+        f"C_peak {lat['c_peak']:.1f} tokens; T(n) = {lat['target']['flat']:.2f} + {lat['target']['slope']:.3f} * "
+        f"max(n - {lat['target']['knee']:.0f}, 0) ms; D(B) = {lat['draft']['base']:.2f} + "
+        f"{lat['draft']['per_seq']:.3f} B ms; rms {profile['fit_rms_ms']:.2f} ms"
+    )
+    return profile

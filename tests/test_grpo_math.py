@@ -1,0 +1,121 @@
+"""GRPO maths and rewards against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_specdec.grpo.core import aggregate, grpo_loss, group_advantages, k3_kl
+from grpo_specdec.tasks.datasets import JsonlSource
+from grpo_specdec.tasks.rewards import extract_answer, reward
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 3.0]])
+    adv, informative = group_advantages(rewards, eps=0.0 + 1e-12)
+    # group 0: mean 0.5, std 0.5 -> +-1
+    assert adv[0].tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0])
+    # group 2: mean 0.75, std sqrt(mean((x-.75)^2)) = sqrt((3*.5625 + 5.0625)/4) = 1.299
+    std = math.sqrt((3 * 0.5625 + 5.0625) / 4)
+    assert adv[2].tolist() == pytest.approx([-0.75 / std] * 3 + [2.25 / std])
+    assert informative.tolist() == [True, False, True]
+    assert adv[1].abs().max() == 0
+
+
+def test_clipped_surrogate_by_hand():
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    new = torch.log(torch.tensor([[0.8, 0.3]]))  # ratios 1.6 and 0.6
+    mask = torch.tensor([[1, 1]])
+    loss, stats = grpo_loss(new, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    # positive advantage: min(1.6, 1.2) = 1.2 ; min(0.6, 0.8) = 0.6 -> loss = -(1.2 + 0.6)/2
+    assert loss.item() == pytest.approx(-0.9)
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    loss, _ = grpo_loss(new, old, torch.tensor([-1.0]), mask, clip_eps=0.2)
+    # negative advantage: min(-1.6, -1.2) = -1.6 ; min(-0.6, -0.8) = -0.8 -> loss = (1.6 + 0.8)/2
+    assert loss.item() == pytest.approx(1.2)
+
+
+def test_gradient_is_zero_where_clipped():
+    old = torch.log(torch.tensor([[0.5]]))
+    new = torch.log(torch.tensor([[0.8]])).requires_grad_()
+    loss, _ = grpo_loss(new, old, torch.tensor([1.0]), torch.tensor([[1]]), clip_eps=0.2)
+    loss.backward()
+    assert new.grad.item() == 0.0
+
+
+def test_k3_kl_by_hand():
+    logp = torch.log(torch.tensor([0.5, 0.25]))
+    ref = torch.log(torch.tensor([0.25, 0.25]))
+    # exp(ref-logp) - (ref-logp) - 1: (0.5 - ln 0.5 - 1, 0)
+    assert k3_kl(logp, ref).tolist() == pytest.approx([0.5 + math.log(2) - 1, 0.0])
+    loss, stats = grpo_loss(
+        logp[None],
+        logp[None],
+        torch.tensor([0.0]),
+        torch.ones(1, 2),
+        ref_logp=ref[None],
+        kl_coef=0.5,
+    )
+    assert stats["kl"] == pytest.approx((0.5 + math.log(2) - 1) / 2)
+    assert loss.item() == pytest.approx(0.5 * (0.5 + math.log(2) - 1) / 2)
+
+
+def test_aggregation_modes_by_hand():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate(per_token, mask, "token_mean").item() == pytest.approx(10 / 4)
+    assert aggregate(per_token, mask, "seq_mean_token_sum").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(per_token, mask, "seq_mean_token_mean").item() == pytest.approx((2 + 4) / 2)
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("12 + 7 = 19. 19 - 3 = 16. The answer is 16.", 16),
+        ("so the total is \\boxed{1,234} apples", 1234),
+        ("The answer is -5, not 7", -5),
+        ("First 3 then 4, final: 2,500.", 2500),
+        ("answer is $42", 42),
+        ("\\boxed{3} ... wait, maybe 9", 3),
+        ("The answer is: 0.5", 0.5),
+        ("It is 7-3=4", 4),
+        ("v2 of the model says 10", 10),
+        ("no numbers here", None),
+        ("", None),
+    ],
+)
+def test_extract_answer_on_messy_text(text, expected):
+    got = extract_answer(text)
+    assert got == (None if expected is None else pytest.approx(expected))
+
+
+def test_reward_correctness_and_format_bonus():
+    assert reward("The answer is 16.", 16) == pytest.approx(1.1)
+    assert reward("16", 16) == pytest.approx(1.0)
+    assert reward("The answer is 15.", 16) == pytest.approx(0.1)
+    assert reward("nothing", 16) == 0.0
+
+
+def test_gsm8k_jsonl_errors_name_file_and_line(tmp_path):
+    good = tmp_path / "ok.jsonl"
+    good.write_text(
+        '{"question": "q1", "answer": "work\\n#### 1,200"}\n\n{"question": "q2", "answer": "#### -3"}\n'
+    )
+    src = JsonlSource(good)
+    assert [src.get(0).answer, src.get(1).answer, src.get(2).answer] == [1200, -3, 1200]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"question": "q1", "answer": "#### 1"}\n{"question": "q2", "answer": "no marker"}\n'
+    )
+    with pytest.raises(ValueError, match=r"bad.jsonl line 2: answer has no '#### N'"):
+        JsonlSource(bad)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "q1", "answer": "#### 1"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl line 2: not valid JSON"):
+        JsonlSource(broken)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no examples"):
+        JsonlSource(empty)
