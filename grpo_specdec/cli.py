@@ -98,6 +98,24 @@ def _profile(args) -> None:
     print(args.out)
 
 
+def _train(args) -> None:
+    from grpo_specdec.config import load_yaml
+    from grpo_specdec.job.config import TrainConfig
+    from grpo_specdec.job.run import Job, summary_table
+
+    overrides = list(args.overrides)
+    if args.ray_address:
+        overrides.append(f"ray.address={args.ray_address}")
+    cfg = load_yaml(TrainConfig, args.config, overrides)
+    job = Job(cfg, resume=args.resume)
+    try:
+        records = job.run()
+    finally:
+        job.shutdown()
+    print(summary_table(records))
+    print(cfg.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo-specdec", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -169,6 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--steps", type=int, default=16)
     prof.add_argument("--eager", action="store_true")
     prof.set_defaults(func=_profile)
+
+    train = sub.add_parser("train", help="run the GRPO job on Ray")
+    train.add_argument("--config", required=True, help="configs/NAME.yaml")
+    train.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. iterations=4 rollout.k=3"
+    )
+    train.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (default: RAY_ADDRESS or a local one)",
+    )
+    train.add_argument("--resume", default=None, help="a run folder or checkpoint to continue from")
+    train.set_defaults(func=_train)
     return p
 
 

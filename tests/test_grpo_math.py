@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo_specdec.grpo.core import aggregate, grpo_loss, group_advantages, k3_kl
+from grpo_specdec.grpo.core import aggregate, group_advantages, grpo_loss, k3_kl
 from grpo_specdec.tasks.datasets import JsonlSource
 from grpo_specdec.tasks.rewards import extract_answer, reward
 

@@ -1,0 +1,89 @@
+"""The GRPO job's configuration: one pydantic model, loaded from YAML, validated at start."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from grpo_specdec.config import StrictModel
+from grpo_specdec.draft.trainer import DraftTrainConfig
+from grpo_specdec.grpo.core import Aggregation
+from vllm_plugin.settings import ControllerSettings
+
+
+class ModelSettings(StrictModel):
+    policy: str = Field(description="HF folder, or 'smollm2' / 'tiny' for the project's assets")
+    draft: str | None = Field(
+        None, description="EAGLE head folder or 'smollm2-arith'; none = a new head"
+    )
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["cpu", "cuda"] = "cpu"
+    train_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataSettings(StrictModel):
+    source: Literal["arithmetic", "jsonl"] = "arithmetic"
+    path: str | None = Field(None, description="GSM8K-format JSONL when source is jsonl")
+    levels: list[int] = Field([1, 2], min_length=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _path_for_jsonl(self) -> DataSettings:
+        if self.source == "jsonl" and not self.path:
+            raise ValueError("data.path is required when data.source is jsonl")
+        if any(not 1 <= lvl <= 4 for lvl in self.levels):
+            raise ValueError(f"data.levels must lie in 1..4, got {self.levels}")
+        return self
+
+
+class RolloutSettings(StrictModel):
+    prompts_per_iteration: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=2)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(128, ge=1)
+    speculation: Literal["off", "fixed", "concurrency_aware"] = "concurrency_aware"
+    k: int = Field(4, ge=1, le=16, description="draft tokens (the most, when concurrency-aware)")
+    controller: ControllerSettings = ControllerSettings()
+    max_model_len: int = Field(1024, ge=64)
+    kv_cache_gib: float = Field(1.0, gt=0)
+    enforce_eager: bool = False
+
+
+class PolicySettings(StrictModel):
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    kl_coef: float = Field(0.0, ge=0)
+    aggregation: Aggregation = "token_mean"
+    micro_batch: int = Field(4, ge=1)
+    epochs: int = Field(1, ge=1)
+
+
+class DraftSettings(StrictModel):
+    online: bool = Field(True, description="keep training the draft on each rollout")
+    train: DraftTrainConfig = DraftTrainConfig()
+
+
+class RaySettings(StrictModel):
+    address: str | None = Field(
+        None, description="join this cluster; default: RAY_ADDRESS, else a local one"
+    )
+    rollout_gpus: float = Field(0, ge=0)
+    policy_gpus: float = Field(0, ge=0)
+    draft_gpus: float = Field(0, ge=0)
+
+
+class TrainConfig(StrictModel):
+    model: ModelSettings
+    data: DataSettings = DataSettings()
+    rollout: RolloutSettings = RolloutSettings()
+    policy: PolicySettings = PolicySettings()
+    draft: DraftSettings = DraftSettings()
+    ray: RaySettings = RaySettings()
+    iterations: int = Field(20, ge=1)
+    checkpoint_every: int = Field(5, ge=1)
+    out: str = "runs/grpo"
+    seed: int = 0

@@ -1,0 +1,381 @@
+"""The three roles of the GRPO job as plain classes; `actors.py` wraps them for Ray.
+
+RolloutWorker owns the vLLM engine. PolicyLearner owns the HF policy and its optimiser;
+its forward over a rollout yields both the log-probs GRPO needs and the hidden states
+the draft learns from. DraftLearner owns the EAGLE head and its trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
+from grpo_specdec.draft.head import EagleHead, load_head, new_head
+from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
+from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+from grpo_specdec.grpo.core import grpo_loss
+from grpo_specdec.job.config import PolicySettings
+
+# ---- rollout --------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[list[int]]  # [prompt]
+    responses: list[list[list[int]]]  # [prompt][sample] token ids
+    texts: list[list[str]]
+    spec: dict
+    wall_s: float
+    k_steps: dict[int, int]  # steps per k chosen during this rollout
+
+
+class RolloutWorker:
+    def __init__(self, engine_cfg: dict):
+        self.engine = Engine(EngineConfig.model_validate(engine_cfg))
+
+    def rollout(self, prompts: list[str], sampling: dict) -> Rollout:
+        trace = self._trace()
+        start = len(trace) if trace is not None else 0
+        res = self.engine.generate(prompts, SamplingSettings.model_validate(sampling))
+        k_steps: dict[int, int] = {}
+        for _, _, k, _ in list(trace)[start:] if trace is not None else []:
+            k_steps[k] = k_steps.get(k, 0) + 1
+        return Rollout(
+            res.prompt_token_ids,
+            [[s.token_ids for s in g] for g in res.outputs],
+            [[s.text for s in g] for g in res.outputs],
+            res.spec,
+            res.wall_s,
+            k_steps,
+        )
+
+    def _trace(self):
+        spec = self.engine.cfg.speculative
+        if (
+            spec is None
+            or not spec.concurrency_aware
+            or self.engine.cfg.engine_process != "in_process"
+        ):
+            return None
+        return self.engine.scheduler().step_trace
+
+    def load_weights(
+        self, role: str, weights: dict, version: int, metadata: dict | None = None
+    ) -> dict:
+        return self.engine.swap_weights(role, weights, version, metadata)
+
+    def versions(self) -> dict[str, int]:
+        return self.engine.weight_versions()
+
+    def greedy(self, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, greedy output ids) per prompt."""
+        res = self.engine.generate(prompts, SamplingSettings(max_tokens=max_tokens))
+        return [(p, g[0].token_ids) for p, g in zip(res.prompt_token_ids, res.outputs, strict=True)]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+# ---- policy ---------------------------------------------------------------------------
+
+
+@dataclass
+class PolicyBatch:
+    """Sequences of one rollout with their GRPO advantages."""
+
+    token_ids: list[list[int]]
+    prompt_lens: list[int]
+    advantages: list[float]
+    informative: list[bool]  # groups with reward variance; the others train only the draft
+
+
+@dataclass
+class DraftData:
+    seqs: list[Sequence]
+    embed: torch.Tensor  # the policy's input embedding and lm_head these hidden states came from
+    lm_head: torch.Tensor
+    policy_version: int
+
+
+def response_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log p(x_{t+1} | x_<=t) aligned with position t+1: [B, T] (position 0 is 0)."""
+    logp = (
+        torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    )
+    return torch.nn.functional.pad(logp, (1, 0))
+
+
+def _response_mask(ids_mask: torch.Tensor, prompt_lens: list[int]) -> torch.Tensor:
+    mask = ids_mask.clone().bool()
+    for i, p in enumerate(prompt_lens):
+        mask[i, :p] = False
+    return mask
+
+
+class PolicyLearner:
+    def __init__(
+        self,
+        model_dir: str,
+        cfg: PolicySettings,
+        device: str = "cpu",
+        dtype: str = "float32",
+        seed: int = 0,
+    ):
+        torch.manual_seed(seed)
+        self.model_dir, self.cfg, self.device = model_dir, cfg, torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype)
+        ).to(self.device)
+        self.model.config.use_cache = False
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        self.ref = None
+        if cfg.kl_coef > 0:
+            self.ref = (
+                AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+                .to(self.device)
+                .eval()
+            )
+        self.version = 0
+        self._batch: PolicyBatch | None = None
+        self._old_logp: list[torch.Tensor] = []
+        self._ref_logp: list[torch.Tensor] = []
+
+    def _micro_batches(self, indices: list[int]):
+        for start in range(0, len(indices), self.cfg.micro_batch):
+            idx = indices[start : start + self.cfg.micro_batch]
+            ids, mask = pad_batch([self._batch.token_ids[i] for i in idx])
+            yield idx, ids.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def prepare(self, batch: PolicyBatch) -> DraftData:
+        """The forward GRPO needs anyway: rollout-time log-probs for the surrogate, and the
+        last-layer hidden states of the same pass for the draft."""
+        self.model.eval()
+        self._batch = batch
+        self._old_logp, self._ref_logp, seqs = [], [], []
+        for idx, ids, mask in self._micro_batches(list(range(len(batch.token_ids)))):
+            hidden, logits = forward_with_hidden(self.model, ids, mask)
+            self._old_logp += list(response_logprobs(logits, ids).cpu())
+            if self.ref is not None:
+                self._ref_logp += list(
+                    response_logprobs(forward_with_hidden(self.ref, ids, mask)[1], ids).cpu()
+                )
+            for row, i in enumerate(idx):
+                n = len(batch.token_ids[i])
+                seqs.append(
+                    Sequence(
+                        batch.token_ids[i], batch.prompt_lens[i], hidden[row, :n].float().cpu()
+                    )
+                )
+        embed = self.model.get_input_embeddings().weight.detach().float().cpu()
+        lm_head = self.model.get_output_embeddings().weight.detach().float().cpu()
+        return DraftData(seqs, embed, lm_head, self.version)
+
+    def update(self) -> dict:
+        """One GRPO step (per epoch) on the prepared rollout; groups without reward variance are skipped."""
+        batch = self._batch
+        chosen = [i for i, keep in enumerate(batch.informative) if keep]
+        stats = {"policy_sequences": len(chosen), "policy_steps": 0}
+        if not chosen:
+            return stats
+        self.model.train()
+        total_tokens = sum(len(batch.token_ids[i]) - batch.prompt_lens[i] for i in chosen)
+        for _ in range(self.cfg.epochs):
+            self.opt.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for idx, ids, mask in self._micro_batches(chosen):
+                _, logits = forward_with_hidden(self.model, ids, mask)
+                logp = response_logprobs(logits, ids)
+                old = _stack_padded([self._old_logp[i] for i in idx], logp.shape[1]).to(self.device)
+                ref = (
+                    _stack_padded([self._ref_logp[i] for i in idx], logp.shape[1]).to(self.device)
+                    if self.ref
+                    else None
+                )
+                resp = _response_mask(mask, [batch.prompt_lens[i] for i in idx])
+                adv = torch.tensor([batch.advantages[i] for i in idx], device=self.device)
+                loss, mb = grpo_loss(
+                    logp,
+                    old,
+                    adv,
+                    resp,
+                    self.cfg.clip_eps,
+                    ref_logp=ref,
+                    kl_coef=self.cfg.kl_coef,
+                    aggregation=self.cfg.aggregation,
+                )
+                # Micro-batch means, weighted back into a mean over the whole batch.
+                share = (
+                    int(resp.sum()) / total_tokens
+                    if self.cfg.aggregation == "token_mean"
+                    else len(idx) / len(chosen)
+                )
+                (loss * share).backward()
+                for k, v in mb.items():
+                    sums[k] = sums.get(k, 0.0) + v * share
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            if not torch.isfinite(norm):
+                raise FloatingPointError(
+                    f"policy gradient norm is {float(norm)}; stopping before the weights change"
+                )
+            self.opt.step()
+            stats.update({f"policy_{k}": v for k, v in sums.items()}, policy_grad_norm=float(norm))
+            stats["policy_steps"] += 1
+        self.version += 1
+        stats["policy_version"] = self.version
+        return stats
+
+    def export_weights(self, dtype: str) -> dict[str, torch.Tensor]:
+        """Weights under the checkpoint's names and dtype, as the engine's manifest expects."""
+        sd = self.model.state_dict()
+        if self.model.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        return {k: v.detach().to(getattr(torch, dtype)).cpu().contiguous() for k, v in sd.items()}
+
+    def save(self, path: Path) -> None:
+        self.model.save_pretrained(path / "policy")
+        # a checkpoint's policy folder is a complete model: the engine restarts from it
+        AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(path / "policy")
+        torch.save(
+            {"opt": self.opt.state_dict(), "version": self.version, "rng": torch.get_rng_state()},
+            path / "policy_state.pt",
+        )
+
+    def load(self, path: Path) -> None:
+        self.model.load_state_dict(
+            AutoModelForCausalLM.from_pretrained(
+                path / "policy", dtype=self.model.dtype
+            ).state_dict()
+        )
+        state = torch.load(path / "policy_state.pt", weights_only=False)
+        self.opt.load_state_dict(state["opt"])
+        self.version = state["version"]
+        torch.set_rng_state(state["rng"])
+
+    def generate_greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        self.model.eval()
+        ids = torch.tensor([prompt_ids], device=self.device)
+        with torch.no_grad():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=self.model.config.eos_token_id,
+            )
+        return out[0, len(prompt_ids) :].tolist()
+
+
+def _stack_padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r[:width]
+    return out
+
+
+# ---- draft ----------------------------------------------------------------------------
+
+
+class DraftLearner:
+    """Trains the head on each rollout's hidden states. With `checkpoints`, a restarted
+    learner (e.g. a Ray actor brought back after its process died) resumes from the
+    newest complete checkpoint there."""
+
+    def __init__(
+        self,
+        policy_dir: str,
+        init: str | None,
+        cfg: DraftTrainConfig,
+        device: str = "cpu",
+        seed: int = 0,
+        checkpoints: str | None = None,
+    ):
+        target = AutoModelForCausalLM.from_pretrained(policy_dir)
+        self.head: EagleHead = (
+            load_head(init, policy_dir, target) if init else new_head(policy_dir, target, seed)
+        )
+        del target
+        self.head.to(device)
+        self.device = device
+        self.trainer = DraftTrainer(self.head, cfg)
+        self.rng = random.Random(seed)
+        self.version = 0
+        self.trained_on_policy = 0
+        self.resumed_from: str | None = None
+        latest = latest_checkpoint(Path(checkpoints)) if checkpoints else None
+        if latest is not None:
+            self.load(latest)
+            self.resumed_from = str(latest)
+
+    def train(self, data: DraftData) -> dict:
+        # The draft must predict with the embedding and lm_head the engine will pair it with.
+        start = time.perf_counter()
+        self.head.embed_weight = data.embed.to(self.device)
+        self.head.lm_head_weight = data.lm_head.to(self.device)
+        stats = self.trainer.train(data.seqs, self.rng)
+        if stats["steps"]:
+            self.version += 1
+            self.trained_on_policy = data.policy_version
+        stats["seconds"] = time.perf_counter() - start
+        return {f"draft_{k}": v for k, v in stats.items()} | {"draft_version": self.version}
+
+    def export(self) -> tuple[dict[str, torch.Tensor], dict[str, str], int, int]:
+        """(weights, metadata, draft version, policy version it was trained on)."""
+        weights = self.head.export_state_dict(self.head.export_dtype())
+        return weights, self.head.swap_metadata(), self.version, self.trained_on_policy
+
+    def save(self, path: Path) -> None:
+        self.head.save(path / "draft")
+        torch.save(
+            {
+                "trainer": self.trainer.state_dict(),
+                "version": self.version,
+                "rng": self.rng.getstate(),
+                "trained_on_policy": self.trained_on_policy,
+            },
+            path / "draft_state.pt",
+        )
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path / "draft_state.pt", weights_only=False)
+        self.trainer.load_state_dict(state["trainer"])
+        self.version, self.trained_on_policy = state["version"], state["trained_on_policy"]
+        self.rng.setstate(state["rng"])
+
+    def status(self) -> dict:
+        return {"pid": os.getpid(), "version": self.version, "resumed_from": self.resumed_from}
+
+
+# ---- checkpoints ----------------------------------------------------------------------
+
+LATEST = "latest"
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under root (its name is in root/latest)."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path} named by {pointer} is incomplete (no state.json)"
+        )
+    return path
+
+
+def read_state(path: Path) -> dict:
+    try:
+        return json.loads((path / "state.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"checkpoint {path} is unreadable: {err}") from None

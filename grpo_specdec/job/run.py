@@ -1,0 +1,433 @@
+"""`grpo-specdec train`: GRPO with speculative rollouts and an online-learned draft, on Ray.
+
+Per iteration: rollout (vLLM, concurrency-aware speculation) -> rule rewards and group
+advantages -> the policy learner's forward (log-probs + hidden states) -> policy update
+and draft training side by side -> new policy and draft weights hot-swapped into the
+running engine -> metrics; a checkpoint every N iterations and at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import ray
+import torch
+from tqdm import tqdm
+
+from grpo_specdec.grpo.core import group_advantages
+from grpo_specdec.job.actors import remote_roles
+from grpo_specdec.job.config import TrainConfig
+from grpo_specdec.job.roles import LATEST, PolicyBatch, latest_checkpoint, read_state
+from grpo_specdec.runtime import runtime_env
+from grpo_specdec.tasks.datasets import ArithmeticSource, JsonlSource
+from grpo_specdec.tasks.rewards import reward
+from vllm_plugin.manifest import read_manifest
+from vllm_plugin.settings import profile_key, store_path
+
+
+def resolve_model(name: str) -> str:
+    """'smollm2', 'tiny' and 'smollm2-arith' name the project's assets; anything else is a path."""
+    if name == "smollm2":
+        from grpo_specdec.assets.smollm2 import prepare_smollm2
+
+        return str(prepare_smollm2())
+    if name in ("tiny", "tiny-draft"):
+        from grpo_specdec.assets.smollm2 import default_dir
+        from grpo_specdec.assets.tiny import build_tiny
+
+        root = default_dir().parent / "tiny"
+        if not (root / "draft" / "model.safetensors").is_file():
+            build_tiny(root)
+        return str(root / ("target" if name == "tiny" else "draft"))
+    if name == "smollm2-arith":
+        from grpo_specdec.assets.smollm2 import default_dir
+        from grpo_specdec.draft.bootstrap import DraftBootstrapConfig, bootstrap_draft
+
+        out = default_dir().parent / "heads" / "smollm2-arith"
+        if not (out / "model.safetensors").is_file():
+            bootstrap_draft(
+                DraftBootstrapConfig(
+                    target=resolve_model("smollm2"), out=str(out), task="arithmetic", steps=300
+                )
+            )
+        return str(out)
+    return name
+
+
+class Job:
+    def __init__(self, cfg: TrainConfig, resume: str | None = None, log=print):
+        self.cfg, self.log = cfg, log
+        self.out = Path(cfg.out)
+        self.ckpts = self.out / "checkpoints"
+        self.iteration, self.cursor = 0, 0
+        policy_dir, draft_dir = (
+            resolve_model(cfg.model.policy),
+            cfg.model.draft and resolve_model(cfg.model.draft),
+        )
+        self.base_policy = policy_dir
+        if resume:
+            ckpt = self._resume_point(Path(resume))
+            state = read_state(ckpt)
+            self.iteration, self.cursor = state["iteration"], state["cursor"]
+            random.setstate(_tuplify(state["python_rng"]))
+            policy_dir, draft_dir = str(ckpt / "policy"), str(ckpt / "draft")
+            self.log(f"resuming from {ckpt} at iteration {self.iteration}")
+        elif latest_checkpoint(self.ckpts) is not None:
+            raise ValueError(
+                f"{self.ckpts} already holds checkpoints: pass --resume {self.out} or choose another out"
+            )
+        else:
+            random.seed(cfg.seed)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.source = (
+            JsonlSource(cfg.data.path)
+            if cfg.data.source == "jsonl"
+            else ArithmeticSource(cfg.data.seed, cfg.data.levels)
+        )
+        self.weight_dtype = str(
+            next(iter(read_manifest(self.base_policy).values()))[1]
+        ).removeprefix("torch.")
+
+        self._init_ray()
+        Rollout, Policy, Draft = remote_roles(cfg.ray)
+        self.draft = None
+        # A learner when the draft trains online, or to create a new head for the engine.
+        if cfg.rollout.speculation != "off" and (cfg.draft.online or not draft_dir):
+            self.draft = Draft.remote(
+                self.base_policy,
+                draft_dir,
+                cfg.draft.train,
+                cfg.model.device,
+                cfg.seed,
+                str(self.ckpts),
+            )
+            if not draft_dir:  # a new head: the engine needs it on disk to start
+                draft_dir = str(self.out / "initial_draft")
+                ray.get(self.draft.save.remote(self.out / "initial_draft_state"))
+                shutil.move(str(self.out / "initial_draft_state" / "draft"), draft_dir)
+                shutil.rmtree(self.out / "initial_draft_state")
+        self.policy = Policy.remote(
+            self.base_policy, cfg.policy, cfg.model.device, cfg.model.train_dtype, cfg.seed
+        )
+        if resume:
+            ray.get(self.policy.load.remote(Path(policy_dir).parent))
+        self._ensure_profile(draft_dir)
+        self._engine_cfg = self._engine_config(policy_dir, draft_dir)
+        self.rollout = Rollout.remote(self._engine_cfg)
+        self.metrics_path = self.out / "metrics.jsonl"
+        _truncate_metrics(self.metrics_path, self.iteration)
+
+    def _ensure_profile(self, draft_dir: str | None) -> None:
+        """Concurrency-aware rollouts need the latency profile of this model on this
+        hardware; measure it once (it is kept in the profile store) if it is missing."""
+        r = self.cfg.rollout
+        if (
+            r.speculation != "concurrency_aware"
+            or r.controller.policy == "fixed"
+            or r.controller.profile
+        ):
+            return
+        from grpo_specdec.profile import ProfileConfig, run_profile
+
+        dtype = (
+            self.weight_dtype
+            if self.cfg.model.engine_dtype == "auto"
+            else self.cfg.model.engine_dtype
+        )
+        path = store_path(profile_key(self.base_policy, dtype, draft_dir))
+        if not path.is_file():
+            self.log(
+                f"no latency profile for {self.base_policy} on this hardware yet: profiling it first"
+            )
+            run_profile(
+                ProfileConfig(
+                    model=self.base_policy,
+                    draft=draft_dir,
+                    dtype=self.cfg.model.engine_dtype,
+                    k_max=r.k,
+                    enforce_eager=r.enforce_eager,
+                ),
+                path,
+                log=self.log,
+            )
+        # Named explicitly: after a resume the engine serves a checkpoint folder, not the base model.
+        r.controller.profile = str(path)
+
+    def _resume_point(self, path: Path) -> Path:
+        if (path / "state.json").is_file():
+            return path
+        latest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(
+                f"--resume {path}: no checkpoint found (looked for {path}/checkpoints/{LATEST})"
+            )
+        return latest
+
+    def _init_ray(self) -> None:
+        env = {
+            k: v
+            for k, v in runtime_env(dict(os.environ)).items()
+            if k in ("LD_PRELOAD", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+        }
+        env.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+        address = self.cfg.ray.address or os.environ.get("RAY_ADDRESS")
+        if ray.is_initialized():
+            return
+        if address:
+            ray.init(address=address, runtime_env={"env_vars": env})
+        else:
+            ray.init(
+                num_cpus=os.cpu_count(),
+                include_dashboard=False,
+                runtime_env={"env_vars": env},
+                log_to_driver=True,
+            )
+
+    def _engine_config(self, policy_dir: str, draft_dir: str | None) -> dict:
+        r = self.cfg.rollout
+        spec = None
+        if r.speculation != "off":
+            spec = {
+                "draft": draft_dir,
+                "k": r.k,
+                "concurrency_aware": r.speculation == "concurrency_aware",
+                "controller": r.controller.model_dump(),
+            }
+        return {
+            "model": policy_dir,
+            "dtype": self.cfg.model.engine_dtype,
+            "max_model_len": r.max_model_len,
+            "max_num_seqs": max(r.prompts_per_iteration * r.group_size, 8),
+            "kv_cache_gib": r.kv_cache_gib,
+            "seed": self.cfg.seed,
+            "enforce_eager": r.enforce_eager,
+            "speculative": spec,
+        }
+
+    # ---- one iteration ---------------------------------------------------------------------
+    def step(self) -> dict:
+        r = self.cfg.rollout
+        t_start = time.perf_counter()
+        examples = [self.source.get(self.cursor + i) for i in range(r.prompts_per_iteration)]
+        sampling = {
+            "n": r.group_size,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "max_tokens": r.max_tokens,
+        }
+        rollout = ray.get(self.rollout.rollout.remote([e.question for e in examples], sampling))
+        t_gen = time.perf_counter()
+
+        rewards = torch.tensor(
+            [
+                [reward(text, e.answer) for text in texts]
+                for e, texts in zip(examples, rollout.texts, strict=True)
+            ]
+        )
+        correct = torch.tensor(
+            [
+                [float(reward(text, e.answer, 0.0) > 0) for text in texts]
+                for e, texts in zip(examples, rollout.texts, strict=True)
+            ]
+        )
+        adv, informative = group_advantages(rewards)
+        batch = PolicyBatch([], [], [], [])
+        for g, prompt in enumerate(rollout.prompt_ids):
+            for s, response in enumerate(rollout.responses[g]):
+                batch.token_ids.append(prompt + response)
+                batch.prompt_lens.append(len(prompt))
+                batch.advantages.append(float(adv[g, s]))
+                batch.informative.append(bool(informative[g]))
+
+        data = self.policy.prepare.remote(batch)
+        update = self.policy.update.remote()
+        draft_job = (
+            self.draft.train.remote(data)
+            if self.draft is not None and self.cfg.draft.online
+            else None
+        )
+        policy_stats = ray.get(update)
+        t_policy = time.perf_counter()
+        draft_stats = self._finish_draft(draft_job, data)
+        t_draft = time.perf_counter()
+
+        sync = {}
+        if policy_stats.get("policy_steps"):
+            weights = self.policy.export_weights.remote(self.weight_dtype)
+            sync["policy"] = ray.get(
+                self.rollout.load_weights.remote("policy", weights, policy_stats["policy_version"])
+            )
+        if draft_stats.get("draft_steps"):
+            weights, meta, dversion, trained_on = ray.get(self.draft.export.remote())
+            sync["draft"] = ray.get(
+                self.rollout.load_weights.remote("draft", weights, dversion, meta)
+            )
+            draft_stats["draft_trained_on_policy"] = trained_on
+        t_end = time.perf_counter()
+
+        versions = ray.get(self.rollout.versions.remote())
+        self.cursor += r.prompts_per_iteration
+        self.iteration += 1
+        n_tokens = sum(len(x) for g in rollout.responses for x in g)
+        record = {
+            "iteration": self.iteration,
+            "reward_mean": float(rewards.mean()),
+            "accuracy": float(correct.mean()),
+            "informative_groups": int(informative.sum()),
+            "response_length": n_tokens / rewards.numel(),
+            "generation_s": t_gen - t_start,
+            "policy_update_s": t_policy - t_gen,
+            "draft_train_s": draft_stats.pop("draft_seconds", 0.0),
+            "draft_wait_s": t_draft - t_policy,
+            "sync_s": t_end - t_draft,
+            "iteration_s": t_end - t_start,
+            "tokens_per_s": n_tokens / rollout.wall_s,
+            "acceptance_rate": rollout.spec["acceptance_rate"],
+            "mean_acceptance_length": rollout.spec["mean_acceptance_length"],
+            "per_position_acceptance": rollout.spec["per_position_acceptance"],
+            "k_steps": {str(k): v for k, v in sorted(rollout.k_steps.items())},
+            "engine_policy_version": versions["policy"],
+            "engine_draft_version": versions["draft"],
+            **policy_stats,
+            **draft_stats,
+        }
+        if "draft_trained_on_policy" in record:
+            record["draft_policy_lag"] = versions["policy"] - record["draft_trained_on_policy"]
+        record["policy_sync_s"] = sync.get("policy", {}).get("total_s", 0.0)
+        record["draft_sync_s"] = sync.get("draft", {}).get("total_s", 0.0)
+        return record
+
+    def _finish_draft(self, job, data, restart_timeout_s: float = 300.0) -> dict:
+        if job is None:
+            return {}
+        deadline = time.monotonic() + restart_timeout_s
+        while True:
+            try:
+                return ray.get(job)
+            except ray.exceptions.RayActorError as err:
+                if time.monotonic() > deadline:
+                    raise
+                self.log(
+                    f"iteration {self.iteration + 1}: the draft learner is down ({type(err).__name__}); "
+                    "Ray restarts it from its last checkpoint; training it on this rollout again"
+                )
+                time.sleep(1.0)
+                job = self.draft.train.remote(data)
+
+    # ---- checkpoints -------------------------------------------------------------------
+    def checkpoint(self) -> Path:
+        """Write everything needed to continue, atomically: a half-written checkpoint is
+        never named by `latest`, so the previous one stays loadable."""
+        final = self.ckpts / f"iter_{self.iteration:06d}"
+        tmp = self.ckpts / f".tmp_{final.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        jobs = [self.policy.save.remote(tmp)]
+        if self.draft is not None:
+            jobs.append(self.draft.save.remote(tmp))
+        ray.get(jobs)
+        if self.draft is None and self._engine_cfg["speculative"]:
+            # frozen draft: keep the head the engine serves next to the policy
+            shutil.copytree(self._engine_cfg["speculative"]["draft"], tmp / "draft")
+        state = {
+            "iteration": self.iteration,
+            "cursor": self.cursor,
+            "python_rng": random.getstate(),
+            "config": self.cfg.model_dump(),
+        }
+        (tmp / "state.json").write_text(json.dumps(state))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = self.ckpts / (LATEST + ".tmp")
+        pointer.write_text(final.name)
+        os.replace(pointer, self.ckpts / LATEST)
+        return final
+
+    # ---- the loop ----------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(str(self.out / "tensorboard"))
+        records = []
+        bar = tqdm(
+            range(self.iteration, self.cfg.iterations),
+            initial=self.iteration,
+            total=self.cfg.iterations,
+            desc="GRPO",
+            unit="iter",
+        )
+        for _ in bar:
+            record = self.step()
+            records.append(record)
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            for key, value in record.items():
+                if isinstance(value, int | float):
+                    tb.add_scalar(key, value, self.iteration)
+            for i, p in enumerate(record["per_position_acceptance"]):
+                tb.add_scalar(f"per_position_acceptance/{i}", p, self.iteration)
+            ks = [int(k) for k, n in record["k_steps"].items() for _ in range(n)]
+            if ks:
+                tb.add_histogram("k_chosen", torch.tensor(ks), self.iteration)
+            bar.set_postfix(
+                reward=f"{record['reward_mean']:.2f}",
+                mal=f"{record['mean_acceptance_length']:.2f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+            )
+            if (
+                self.iteration % self.cfg.checkpoint_every == 0
+                or self.iteration == self.cfg.iterations
+            ):
+                self.checkpoint()
+        tb.close()
+        return records
+
+    def shutdown(self) -> None:
+        ray.get(self.rollout.shutdown.remote())
+        ray.shutdown()
+
+
+def summary_table(records: list[dict]) -> str:
+    """Reward, acceptance length and generation tokens/s: first vs last iterations."""
+    if not records:
+        return "no iterations ran"
+    n = max(1, min(3, len(records) // 2))
+    first, last = records[:n], records[-n:]
+
+    def mean(rs, key):
+        return sum(r[key] for r in rs) / len(rs)
+
+    rows = [
+        ("reward mean", "reward_mean", ".3f"),
+        ("accuracy", "accuracy", ".3f"),
+        ("mean acceptance length", "mean_acceptance_length", ".2f"),
+        ("generation tokens/s", "tokens_per_s", ".1f"),
+        ("iteration seconds", "iteration_s", ".1f"),
+    ]
+    lines = [f"| metric | first {n} iterations | last {n} iterations |", "|---|---|---|"]
+    lines += [
+        f"| {name} | {mean(first, k):{fmt}} | {mean(last, k):{fmt}} |" for name, k, fmt in rows
+    ]
+    return "\n".join(lines)
+
+
+def _truncate_metrics(path: Path, iteration: int) -> None:
+    """Drop records of iterations after the resume point, so none is counted twice."""
+    if not path.is_file():
+        return
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["iteration"] <= iteration
+    ]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _tuplify(x):
+    """JSON turned the RNG state's tuples into lists; random.setstate wants tuples."""
+    return tuple(_tuplify(i) for i in x) if isinstance(x, list) else x

@@ -1,0 +1,134 @@
+"""The GRPO job end to end on the tiny models, through Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_specdec.config import load_yaml
+from grpo_specdec.job.config import TrainConfig
+from tests.conftest import ROOT, run_cli
+from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
+
+CONFIG = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> str:
+    latency = LatencyModel(
+        HingeLatency(flat=10.0, slope=1.0, knee=16.0), LinearCost(base=0.5, per_seq=0.05)
+    )
+    path = tmp_path_factory.mktemp("job_profile") / "profile.json"
+    path.write_text(json.dumps({"latency": latency.to_dict()}))
+    return str(path)
+
+
+def _overrides(tiny_target, tiny_draft, profile, out, iterations):
+    return [
+        f"model.policy={tiny_target}",
+        f"model.draft={tiny_draft}",
+        f"rollout.controller.profile={profile}",
+        f"out={out}",
+        f"iterations={iterations}",
+        "data.levels=[1]",
+    ]
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
+    tiny_target, tiny_draft, profile, tmp_path, questions
+):
+    import ray
+
+    from grpo_specdec.job.run import Job
+
+    out = tmp_path / "run"
+    cfg = load_yaml(TrainConfig, CONFIG, _overrides(tiny_target, tiny_draft, profile, out, 2))
+    job = Job(cfg)
+    try:
+        job.run()
+        records = _records(out)
+        assert [r["iteration"] for r in records] == [1, 2]
+        for key in (
+            "reward_mean",
+            "accuracy",
+            "response_length",
+            "generation_s",
+            "policy_update_s",
+            "draft_train_s",
+            "sync_s",
+            "tokens_per_s",
+            "acceptance_rate",
+            "mean_acceptance_length",
+            "per_position_acceptance",
+            "k_steps",
+        ):
+            assert key in records[-1], key
+        assert any(
+            p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir()
+        )
+        versions = ray.get(job.rollout.versions.remote())
+        assert versions["draft"] == 2  # a new head every iteration
+        assert versions["policy"] == sum(r["policy_steps"] for r in records)
+        # The engine serves exactly the learner's weights: greedy decoding agrees with HF.
+        for prompt_ids, engine_out in ray.get(job.rollout.greedy.remote(questions[:4], 20)):
+            assert ray.get(job.policy.generate_greedy.remote(prompt_ids, 20)) == engine_out
+
+        before = ray.get(job.draft.status.remote())
+        ray.kill(job.draft, no_restart=False)
+        job.cfg.iterations = 3
+        job.run()
+        after = ray.get(job.draft.status.remote())
+        assert after["pid"] != before["pid"]
+        assert after["resumed_from"] == str(out / "checkpoints" / "iter_000002")
+        assert after["version"] == before["version"] + 1  # training went on from the checkpoint
+        assert [r["iteration"] for r in _records(out)] == [1, 2, 3]
+        assert sum(r["policy_steps"] for r in _records(out)) >= 1
+    finally:
+        job.shutdown()
+
+
+def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, profile, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--config", CONFIG, *_overrides(tiny_target, tiny_draft, profile, out, 4)]
+    log = open(tmp_path / "first.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo_specdec", *args],
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 600
+    while not (latest.is_file() and latest.read_text() == "iter_000002"):
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    opt_at_2 = torch.load(
+        out / "checkpoints" / "iter_000002" / "policy_state.pt", weights_only=False
+    )
+
+    run_cli(*args, "--resume", str(out), timeout=900)
+    records = _records(out)
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # none lost, none counted twice
+    final = torch.load(out / "checkpoints" / "iter_000004" / "policy_state.pt", weights_only=False)
+    steps = sum(r["policy_steps"] for r in records)
+    assert final["version"] == steps
+    # The optimiser continued: its step count carries on from the checkpoint's.
+    step_at = lambda s: max((v["step"] for v in s["opt"]["state"].values()), default=0)  # noqa: E731
+    assert step_at(final) == steps and step_at(final) >= step_at(opt_at_2)
+    state = json.loads((out / "checkpoints" / "iter_000004" / "state.json").read_text())
+    assert state["iteration"] == 4 and state["cursor"] == 4 * 4
