@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 import uuid
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -25,6 +26,9 @@ from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.settings import ControllerSettings
 
 logger = logging.getLogger(__name__)
+
+# In-process engines alive in this process (they share vLLM's distributed state).
+_LIVE_IN_PROCESS: weakref.WeakSet = weakref.WeakSet()
 
 
 class SpeculativeSettings(StrictModel):
@@ -206,6 +210,8 @@ class Engine:
                 kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = table
         kwargs.update(extra_llm_kwargs)
         self.llm = LLM(**kwargs)
+        if cfg.engine_process == "in_process":
+            _LIVE_IN_PROCESS.add(self)
         self.tokenizer = self.llm.get_tokenizer()
         self._swap_files: dict[str, Path] = {}
         self._device = self.llm.llm_engine.vllm_config.device_config.device_type
@@ -324,9 +330,20 @@ class Engine:
             path.unlink(missing_ok=True)
         self._swap_files.clear()
         engine = getattr(self, "llm", None)
-        if engine is not None:
+        if engine is None:
+            return
+        _LIVE_IN_PROCESS.discard(self)
+        if self.cfg.engine_process == "in_process" and _LIVE_IN_PROCESS:
+            # vLLM's EngineCore.shutdown() (also run by its finalizer when the client is
+            # collected) tears down the process-wide distributed state that the other
+            # in-process engines still use: detach it and stop only this engine.
+            client = engine.llm_engine.engine_core
+            client._finalizer.detach()
+            client.engine_core.model_executor.shutdown()
+            client.engine_core.scheduler.shutdown()
+        else:
             engine.llm_engine.engine_core.shutdown()
-            del self.llm
+        del self.llm
 
 
 def _swap_dir() -> Path:

@@ -14,7 +14,7 @@ from vllm_plugin.scheduler import K_METRIC, k_histogram
 
 # A roofline whose knee sits at 8 tokens: deep drafts pay at B=1, none at B>=16.
 LATENCY = LatencyModel(
-    HingeLatency(flat=20.0, slope=2.0, knee=8.0), LinearCost(base=1.0, per_seq=0.1)
+    HingeLatency(flat=40.0, slope=4.0, knee=8.0), LinearCost(base=0.2, per_seq=0.01)
 )
 K_MAX = 4
 
@@ -75,7 +75,7 @@ def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, qu
         by_batch.setdefault(b, set()).add(k)
     assert max(by_batch) >= 16 and min(by_batch) == 1
     assert all(ks == {0} for b, ks in by_batch.items() if b >= 16)
-    assert min(by_batch[1]) >= 1 and max(by_batch[1]) >= 2
+    assert min(by_batch[1]) >= 2
     ks = [k for _, _, k, _ in trace]
     assert ks[-1] >= ks[0]  # deeper drafts as the batch drains
     hist_after = _k_counts()

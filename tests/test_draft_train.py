@@ -30,7 +30,7 @@ def test_draft_train_raises_acceptance_measured_by_the_engine(tiny_target, tmp_p
         "--out",
         str(out),
         "--steps",
-        "150",
+        "200",
         "--num-prompts",
         "192",
         "--eval-prompts",
