@@ -31,7 +31,17 @@ def _generate(args) -> None:
     from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, read_prompts_file
 
     prompts = read_prompts_file(args.prompts)
-    speculative = {"draft": args.draft, "k": args.k} if args.draft else None
+    speculative = None
+    if args.draft:
+        speculative = {"draft": args.draft, "k": args.k}
+        if args.concurrency_aware:
+            controller = {
+                "policy": args.policy,
+                **({"profile": args.profile} if args.profile else {}),
+            }
+            speculative.update(concurrency_aware=True, controller=controller)
+    elif args.concurrency_aware:
+        raise ValueError("--concurrency-aware needs --draft")
     cfg = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -136,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True)
     gen.add_argument("--draft", default=None, help="EAGLE draft head folder")
     gen.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    gen.add_argument(
+        "--concurrency-aware", action="store_true", help="choose k (0..--k) every step"
+    )
+    gen.add_argument("--profile", default=None, help="latency profile (default: the profile store)")
+    gen.add_argument("--policy", default="goodput", choices=["goodput", "paper", "fixed"])
     gen.add_argument("--prompts", required=True, help="file with one prompt per line")
     gen.add_argument("--n", type=int, default=1, help="samples per prompt")
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -45,12 +45,20 @@ class LinearCost:
 
 @dataclass(frozen=True)
 class LatencyModel:
+    """step_ms(B, k) = T(B (k + 1)) + k * D(B)."""
+
     target: HingeLatency
     draft: LinearCost
 
     @property
     def c_peak(self) -> float:
-        return self.target.knee
+        """Tokens per step where the step turns compute-bound: past the knee, the point
+        where the per-token cost has grown as large as the fixed cost (T doubles). For
+        a sharp roofline this is the knee itself; on CPU, where every token costs
+        something, it is the balance point."""
+        if self.target.slope <= 0:
+            return math.inf
+        return self.target.knee + self.target.flat / self.target.slope
 
     def step_ms(self, b, k):
         b, k = np.asarray(b, dtype=float), np.asarray(k, dtype=float)
@@ -64,30 +72,34 @@ class LatencyModel:
         return cls(HingeLatency(**d["target"]), LinearCost(**d["draft"]))
 
 
+def _nonnegative_lstsq(features: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (drop negative terms, refit)."""
+    active = np.ones(features.shape[1], dtype=bool)
+    while True:
+        coef = np.zeros(features.shape[1])
+        coef[active] = np.linalg.lstsq(features[:, active], y, rcond=None)[0]
+        if (coef >= 0).all():
+            return coef
+        active &= coef > 0
+
+
 def fit_latency(b, k, ms) -> tuple[LatencyModel, float]:
     """Least-squares fit of step_ms(B, k) to measured steps; returns (model, rms error ms).
 
-    The knee is searched over the measured token counts; for each candidate the four
-    linear coefficients are solved with non-negativity enforced by dropping negative
-    terms and refitting.
+    The knee is searched over 0 and the measured token counts; for each candidate the
+    four linear coefficients are solved non-negative.
     """
     b, k, ms = (np.asarray(x, dtype=float) for x in (b, k, ms))
     n = b * (k + 1)
     best = None
     for knee in np.unique(np.concatenate([[0.0], n])):
         features = np.stack([np.ones_like(n), np.maximum(n - knee, 0), k, k * b], axis=1)
-        active = np.ones(4, dtype=bool)
-        while True:
-            coef = np.zeros(4)
-            coef[active] = np.linalg.lstsq(features[:, active], ms, rcond=None)[0]
-            if (coef >= 0).all():
-                break
-            active &= coef > 0
+        coef = _nonnegative_lstsq(features, ms)
         sse = float(((features @ coef - ms) ** 2).sum())
-        if best is None or sse < best[0] - 1e-12:
+        if best is None or sse < best[0] - 1e-9:
             best = (sse, knee, coef)
-    sse, knee, (flat, slope, d_base, d_per_seq) = best
-    model = LatencyModel(HingeLatency(flat, slope, knee), LinearCost(d_base, d_per_seq))
+    sse, knee, (flat, slope, d_base, d_per_seq) = (best[0], best[1], [float(c) for c in best[2]])
+    model = LatencyModel(HingeLatency(flat, slope, float(knee)), LinearCost(d_base, d_per_seq))
     return model, math.sqrt(sse / len(ms))
 
 

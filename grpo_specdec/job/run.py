@@ -277,6 +277,7 @@ class Job:
         record = {
             "iteration": self.iteration,
             "reward_mean": float(rewards.mean()),
+            "rewards": [round(float(x), 4) for x in rewards.flatten()],
             "accuracy": float(correct.mean()),
             "informative_groups": int(informative.sum()),
             "response_length": n_tokens / rewards.numel(),
