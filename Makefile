@@ -26,10 +26,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(RUN) $(PY) -m pytest tests -q --timeout=1200
+	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider
 
+# A short SmolLM2 GRPO job: speculative rollouts with a draft head that starts untrained
+# and learns online; ends with a first-vs-last-iterations summary table.
 demo: setup
-	$(RUN) $(PY) -m grpo_specdec demo
+	$(RUN) $(PY) -m grpo_specdec train --config configs/smollm2_arith.yaml \
+		iterations=4 checkpoint_every=4 out=runs/demo-$$(date +%Y%m%d-%H%M%S) \
+		model.draft=null rollout.enforce_eager=true
 
 bench: setup
 	$(RUN) $(PY) benchmarks/rollout_throughput.py

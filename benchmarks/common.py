@@ -31,10 +31,12 @@ def head_dir() -> Path:
     return default_dir().parent / "heads" / "smollm2-arith"
 
 
-def smollm2_head(target: str) -> str:
-    """The EAGLE head bootstrapped on the arithmetic task (about 15 minutes on 2 CPU cores)."""
-    out = head_dir()
+def smollm2_head(target: str, draft_vocab: int | None = None) -> str:
+    """The EAGLE head bootstrapped on the arithmetic task (about 15 minutes on 2 CPU
+    cores); with `draft_vocab`, the reduced-vocabulary variant."""
+    out = head_dir() if draft_vocab is None else head_dir().parent / f"smollm2-arith-v{draft_vocab}"
     if not (out / "model.safetensors").is_file():
+        extra = [] if draft_vocab is None else ["--draft-vocab", str(draft_vocab)]
         cli(
             "draft",
             "train",
@@ -50,12 +52,15 @@ def smollm2_head(target: str) -> str:
             "512",
             "--max-tokens",
             "128",
+            *extra,
         )
     return str(out)
 
 
 def smollm2_profile(target: str, draft: str, k_max: int) -> Path:
-    out = head_dir().parent / f"smollm2-profile-k{k_max}.json"
+    """The latency profile of SmolLM2 with this head (its draft step cost is the head's)."""
+    name = Path(draft).name
+    out = head_dir().parent / f"profile-{name}-k{k_max}.json"
     if not out.is_file():
         ASSETS.mkdir(parents=True, exist_ok=True)
         cli(
@@ -69,7 +74,7 @@ def smollm2_profile(target: str, draft: str, k_max: int) -> Path:
             "--out",
             str(out),
             "--plot",
-            str(ASSETS / "profile_smollm2.png"),
+            str(ASSETS / f"profile_{name}.png"),
         )
     return out
 

@@ -82,6 +82,7 @@ def _draft_train(args) -> None:
         max_tokens=args.max_tokens,
         seed=args.seed,
         enforce_eager=args.eager,
+        draft_vocab=args.draft_vocab,
         train={"lr": args.lr, "batch_size": args.batch_size},
     )
     report = bootstrap_draft(
@@ -185,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     dtrain.add_argument("--lr", type=float, default=1e-3)
     dtrain.add_argument("--batch-size", type=int, default=8)
     dtrain.add_argument("--seed", type=int, default=0)
+    dtrain.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="draft over only the N most frequent tokens (EAGLE-3 format, d2t map)",
+    )
     dtrain.add_argument("--eager", action="store_true")
     dtrain.add_argument("--json", default=None, help="write the report here")
     dtrain.set_defaults(func=_draft_train)

@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from grpo_specdec.config import StrictModel
-from grpo_specdec.modelcheck import check_draft_matches_target, check_model_dir
+from grpo_specdec.modelcheck import check_draft_matches_target, check_model_dir, draft_method
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.settings import ControllerSettings
 
@@ -194,7 +194,7 @@ class Engine:
         spec = cfg.speculative
         if spec is not None:
             kwargs["speculative_config"] = {
-                "method": "eagle",
+                "method": draft_method(spec.draft),
                 "model": spec.draft,
                 "num_speculative_tokens": spec.k,
             }

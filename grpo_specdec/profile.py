@@ -141,7 +141,10 @@ def plot_profile(profile: dict, path: str | Path) -> None:
     grid = np.linspace(1, n.max(), 400)
     ax1.plot(grid, latency.target(grid), "k-", label="fit T(n)")
     ax1.axvline(
-        latency.c_peak, color="r", ls="--", label=f"C_peak = {latency.c_peak:.0f} tokens (T doubles)"
+        latency.c_peak,
+        color="r",
+        ls="--",
+        label=f"C_peak = {latency.c_peak:.0f} tokens (T doubles)",
     )
     ax1.set(
         xscale="log",

@@ -107,3 +107,40 @@ def questions() -> list[str]:
     from grpo_specdec.tasks.arithmetic import make_problems
 
     return [p.question for level in (1, 2, 3) for p in make_problems(6, seed=123, level=level)]
+
+
+# ---- the GRPO job on tiny models -------------------------------------------------------
+
+TINY_JOB_CONFIG = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def job_profile(tmp_path_factory) -> str:
+    """A latency profile for the tiny job (measuring one would only time overheads)."""
+    import json
+
+    from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
+
+    latency = LatencyModel(
+        HingeLatency(flat=10.0, slope=1.0, knee=16.0), LinearCost(base=0.5, per_seq=0.05)
+    )
+    path = tmp_path_factory.mktemp("job_profile") / "profile.json"
+    path.write_text(json.dumps({"latency": latency.to_dict()}))
+    return str(path)
+
+
+def job_overrides(target: str, draft: str, profile: str, out, iterations: int) -> list[str]:
+    return [
+        f"model.policy={target}",
+        f"model.draft={draft}",
+        f"rollout.controller.profile={profile}",
+        f"out={out}",
+        f"iterations={iterations}",
+        "data.levels=[1]",
+    ]
+
+
+def job_records(out: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

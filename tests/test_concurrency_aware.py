@@ -149,3 +149,41 @@ def test_concurrency_aware_engine_in_its_own_process(
 def test_missing_profile_is_a_clear_error(tiny_target, tiny_draft, tmp_path):
     with pytest.raises(Exception, match="no latency profile at .*nope.json"):
         Engine(_aware_config(tiny_target, tiny_draft, str(tmp_path / "nope.json")))
+
+
+def test_generate_cli_concurrency_aware(tiny_target, tiny_draft, profile_path, questions, tmp_path):
+    import json
+
+    from tests.conftest import run_cli
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(questions[:3]) + "\n")
+    out = tmp_path / "out.json"
+    run_cli(
+        "generate",
+        "--model",
+        tiny_target,
+        "--draft",
+        tiny_draft,
+        "--k",
+        "4",
+        "--concurrency-aware",
+        "--profile",
+        profile_path,
+        "--prompts",
+        str(prompts),
+        "--max-tokens",
+        "24",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--kv-cache-gib",
+        "0.25",
+        "--eager",
+        "--json",
+        str(out),
+    )
+    spec = json.loads(out.read_text())["spec"]
+    # three requests: deep drafts, all at most k_max = 4 tokens
+    assert spec["drafts"] > 0 and max(int(k) for k in spec["draft_length_hist"]) <= 4

@@ -129,3 +129,19 @@ def test_fit_recovers_a_known_roofline():
 
 def test_conditional_from_cumulative():
     assert conditional_from_cumulative([0.8, 0.4, 0.0, 0.0]) == pytest.approx([0.8, 0.5, 0.0, 0.0])
+
+
+def test_acceptance_collapse_turns_drafting_off_then_probes_again():
+    latency = LatencyModel(
+        HingeLatency(flat=30.0, slope=0.5, knee=0.0), LinearCost(base=4.0, per_seq=0.2)
+    )
+    est = AcceptanceEstimator(4, prior=0.6, decay=0.97)
+    policy = GoodputPolicy(latency, est, MAX_BATCH)
+    assert policy.choose(1) > 0
+    for _ in range(50):  # the draft goes stale: nothing it proposes is accepted
+        est.observe(policy.choose(1) or 1, 0)
+        est.step()
+    assert policy.choose(1) == 0  # k = 0 rather than slowing the rollout down
+    for _ in range(200):  # no drafts, no evidence: the estimate drifts back to the prior
+        est.step()
+    assert policy.choose(1) > 0  # so drafting is tried again (e.g. after a draft hot-swap)

@@ -48,6 +48,7 @@ def _capture_first_draft_forward(worker):
             record["positions"] = kwargs["positions"].clone()
             record["hidden"] = kwargs["hidden_states"].clone()
             record["out"] = output[0].clone()
+            record["aux"] = output[1].clone()
             record["logits"] = module.compute_logits(output[0]).clone()
 
     handle = model.register_forward_hook(hook, with_kwargs=True)
@@ -70,7 +71,7 @@ def test_pytorch_head_matches_vllm_draft_forward(eagle_engine, trained_head, que
         out = trained_head(
             rec["input_ids"][None].long(), rec["hidden"][None], rec["positions"][None].long()
         )[0]
-        logits = trained_head.logits(out)
+        logits = trained_head.draft_logits(out)
     torch.testing.assert_close(out, rec["out"], atol=2e-4, rtol=1e-3)
     torch.testing.assert_close(logits, rec["logits"][:, : logits.shape[1]], atol=2e-3, rtol=1e-3)
     assert (logits.argmax(-1) == rec["logits"].argmax(-1)).all()
@@ -199,3 +200,66 @@ def test_swap_with_engine_in_its_own_process(tiny_target, random_draft, trained_
         engine.shutdown()
     assert [g[0].token_ids for g in before.outputs] == [g[0].token_ids for g in after.outputs]
     assert after.spec["mean_acceptance_length"] > before.spec["mean_acceptance_length"] + 0.5
+
+
+# ---- the reduced-vocabulary head (vLLM's EAGLE-3 format with a d2t map) -----------------
+
+
+@pytest.fixture(scope="module")
+def reduced_head(tiny_target, hf_target):
+    vocab = torch.randperm(hf_target.config.vocab_size, generator=torch.Generator().manual_seed(0))[
+        :256
+    ]
+    eos = hf_target.config.eos_token_id
+    return new_head(
+        tiny_target,
+        hf_target,
+        seed=3,
+        vocab_ids=torch.cat([vocab[vocab != eos][:255], torch.tensor([eos])]),
+    )
+
+
+@pytest.fixture(scope="module")
+def reduced_engine(tmp_path_factory, tiny_target, reduced_head):
+    draft = reduced_head.save(tmp_path_factory.mktemp("reduced_draft"))
+    engine = Engine(tiny_engine_config(tiny_target, str(draft)))
+    yield engine
+    engine.shutdown()
+
+
+def test_reduced_vocab_head_matches_vllm_eagle3_forward(reduced_engine, reduced_head, questions):
+    assert reduced_engine.llm.llm_engine.vllm_config.speculative_config.method == "eagle3"
+    reduced_engine.llm.collective_rpc(_capture_first_draft_forward)
+    reduced_engine.generate(questions[:1], SamplingSettings(max_tokens=4))
+    rec = reduced_engine.llm.collective_rpc(_take_capture)[0]
+    with torch.no_grad():
+        out = reduced_head(
+            rec["input_ids"][None].long(), rec["hidden"][None], rec["positions"][None].long()
+        )[0]
+        draft_logits = reduced_head.draft_logits(out)
+    torch.testing.assert_close(out, rec["aux"], atol=2e-4, rtol=1e-3)
+    vllm_logits = rec["logits"][
+        :, reduced_head.vocab_ids
+    ]  # vLLM scatters draft logits into the full vocab
+    torch.testing.assert_close(draft_logits, vllm_logits, atol=2e-3, rtol=1e-3)
+    outside = torch.ones(rec["logits"].shape[1], dtype=torch.bool)
+    outside[reduced_head.vocab_ids] = False
+    assert torch.isinf(rec["logits"][:, outside]).all()  # never drafts outside its vocabulary
+
+
+def test_reduced_vocab_speculation_is_lossless_and_swappable(
+    reduced_engine, plain_engine, reduced_head, questions
+):
+    plain = plain_engine.generate(questions, GREEDY)
+    before = reduced_engine.generate(questions, GREEDY)
+    assert [g[0].token_ids for g in before.outputs] == [g[0].token_ids for g in plain.outputs]
+    weights = reduced_head.export_state_dict(torch.float32)
+    assert weights["d2t"].dtype == torch.int64
+    reduced_engine.swap_weights("draft", weights, version=2, metadata=reduced_head.swap_metadata())
+    assert reduced_engine.weight_versions()["draft"] == 2
+    noisy = {
+        k: v + 0.1 * torch.randn_like(v) if v.is_floating_point() else v for k, v in weights.items()
+    }
+    reduced_engine.swap_weights("draft", noisy, version=3)
+    after = reduced_engine.generate(questions, GREEDY)
+    assert [g[0].token_ids for g in after.outputs] == [g[0].token_ids for g in plain.outputs]

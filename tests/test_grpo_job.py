@@ -8,57 +8,30 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import pytest
 import torch
 
 from grpo_specdec.config import load_yaml
 from grpo_specdec.job.config import TrainConfig
-from tests.conftest import ROOT, run_cli
-from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
-
-CONFIG = str(ROOT / "configs" / "tiny.yaml")
-
-
-@pytest.fixture(scope="module")
-def profile(tmp_path_factory) -> str:
-    latency = LatencyModel(
-        HingeLatency(flat=10.0, slope=1.0, knee=16.0), LinearCost(base=0.5, per_seq=0.05)
-    )
-    path = tmp_path_factory.mktemp("job_profile") / "profile.json"
-    path.write_text(json.dumps({"latency": latency.to_dict()}))
-    return str(path)
-
-
-def _overrides(tiny_target, tiny_draft, profile, out, iterations):
-    return [
-        f"model.policy={tiny_target}",
-        f"model.draft={tiny_draft}",
-        f"rollout.controller.profile={profile}",
-        f"out={out}",
-        f"iterations={iterations}",
-        "data.levels=[1]",
-    ]
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+from tests.conftest import TINY_JOB_CONFIG as CONFIG
+from tests.conftest import job_overrides, job_records, run_cli
 
 
 def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
-    tiny_target, tiny_draft, profile, tmp_path, questions
+    tiny_target, tiny_draft, job_profile, tmp_path, questions
 ):
     import ray
 
     from grpo_specdec.job.run import Job
 
     out = tmp_path / "run"
-    cfg = load_yaml(TrainConfig, CONFIG, _overrides(tiny_target, tiny_draft, profile, out, 2))
+    cfg = load_yaml(
+        TrainConfig, CONFIG, job_overrides(tiny_target, tiny_draft, job_profile, out, 2)
+    )
     job = Job(cfg)
     try:
         job.run()
-        records = _records(out)
+        records = job_records(out)
         assert [r["iteration"] for r in records] == [1, 2]
         for key in (
             "reward_mean",
@@ -93,15 +66,20 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         assert after["pid"] != before["pid"]
         assert after["resumed_from"] == str(out / "checkpoints" / "iter_000002")
         assert after["version"] == before["version"] + 1  # training went on from the checkpoint
-        assert [r["iteration"] for r in _records(out)] == [1, 2, 3]
-        assert sum(r["policy_steps"] for r in _records(out)) >= 1
+        assert [r["iteration"] for r in job_records(out)] == [1, 2, 3]
+        assert sum(r["policy_steps"] for r in job_records(out)) >= 1
     finally:
         job.shutdown()
 
 
-def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, profile, tmp_path):
+def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile, tmp_path):
     out = tmp_path / "run"
-    args = ["train", "--config", CONFIG, *_overrides(tiny_target, tiny_draft, profile, out, 4)]
+    args = [
+        "train",
+        "--config",
+        CONFIG,
+        *job_overrides(tiny_target, tiny_draft, job_profile, out, 4),
+    ]
     log = open(tmp_path / "first.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "grpo_specdec", *args],
@@ -122,7 +100,7 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, profile, tmp
     )
 
     run_cli(*args, "--resume", str(out), timeout=900)
-    records = _records(out)
+    records = job_records(out)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # none lost, none counted twice
     final = torch.load(out / "checkpoints" / "iter_000004" / "policy_state.pt", weights_only=False)
     steps = sum(r["policy_steps"] for r in records)

@@ -45,6 +45,9 @@ class DraftBootstrapConfig(StrictModel):
     max_model_len: int = Field(1024, ge=64)
     seed: int = 0
     enforce_eager: bool = False
+    draft_vocab: int | None = Field(
+        None, ge=16, description="reduced draft vocabulary (EAGLE-3 format)"
+    )
     train: DraftTrainConfig = DraftTrainConfig(lr=1e-3, batch_size=8)
 
     @model_validator(mode="after")
@@ -149,41 +152,66 @@ def _log_acceptance(log, when: str, acc: dict, k: int) -> None:
     )
 
 
+def _measuring_engine(cfg: DraftBootstrapConfig, draft_dir: str) -> Engine:
+    # A fixed-k scheduler lets one engine measure at k and generate at k = 0.
+    return Engine(
+        EngineConfig(
+            model=cfg.target,
+            max_model_len=cfg.max_model_len,
+            seed=cfg.seed,
+            enforce_eager=cfg.enforce_eager,
+            speculative={
+                "draft": draft_dir,
+                "k": cfg.k,
+                "concurrency_aware": True,
+                "controller": {"policy": "fixed"},
+            },
+        )
+    )
+
+
+def draft_vocabulary(seqs: list[Sequence], size: int, always: list[int]) -> torch.Tensor:
+    """The `size` token ids most frequent in the responses (plus `always`, e.g. EOS)."""
+    counts = torch.zeros(max(max(s.token_ids) for s in seqs) + 1, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(
+            torch.tensor(s.token_ids[s.prompt_len :], dtype=torch.long), minlength=len(counts)
+        )
+    counts[always] = counts.max() + 1
+    return counts.argsort(descending=True)[:size].sort().values
+
+
 def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     target = AutoModelForCausalLM.from_pretrained(cfg.target).eval()
-    head = (
-        load_head(cfg.init, cfg.target, target)
-        if cfg.init
-        else new_head(cfg.target, target, cfg.seed)
-    )
-    trainer = DraftTrainer(head, cfg.train)
     train_prompts, eval_prompts = _prompt_split(cfg)
     with tempfile.TemporaryDirectory() as tmp:
+        head = (
+            load_head(cfg.init, cfg.target, target)
+            if cfg.init
+            else new_head(cfg.target, target, cfg.seed)
+        )
         # The engine reads its starting head's files again if a swap has to be undone.
         start_dir = cfg.init or str(head.save(Path(tmp) / "start"))
-        engine = Engine(
-            EngineConfig(
-                model=cfg.target,
-                max_model_len=cfg.max_model_len,
-                seed=cfg.seed,
-                enforce_eager=cfg.enforce_eager,
-                # A fixed-k scheduler lets one engine measure at k and generate at k = 0.
-                speculative={
-                    "draft": start_dir,
-                    "k": cfg.k,
-                    "concurrency_aware": True,
-                    "controller": {"policy": "fixed"},
-                },
-            )
-        )
+        engine = _measuring_engine(cfg, start_dir)
         try:
-            before = _acceptance(engine, eval_prompts, cfg)
-            _log_acceptance(log, "before", before, cfg.k)
             t = time.perf_counter()
             seqs = _training_sequences(cfg, engine, train_prompts)
             seconds["generate_s"] = time.perf_counter() - t
+            if cfg.draft_vocab and not cfg.init:
+                # The vocabulary comes from the data: rebuild the head and its engine.
+                engine.shutdown()
+                eos = target.config.eos_token_id
+                vocab = draft_vocabulary(
+                    seqs, cfg.draft_vocab, eos if isinstance(eos, list) else [eos]
+                )
+                head = new_head(cfg.target, target, cfg.seed, vocab_ids=vocab)
+                start_dir = str(head.save(Path(tmp) / "start_reduced"))
+                engine = _measuring_engine(cfg, start_dir)
+            trainer = DraftTrainer(head, cfg.train)
+            before = _acceptance(engine, eval_prompts, cfg)
+            _log_acceptance(log, "before", before, cfg.k)
             t = time.perf_counter()
             capture_hidden(target, seqs)
             seconds["capture_s"] = time.perf_counter() - t
@@ -201,6 +229,8 @@ def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
     seconds["total_s"] = time.perf_counter() - t0
     return {
         "out": str(Path(cfg.out)),
+        "architecture": head.ARCHITECTURE,
+        "draft_vocab_size": head.config.get("draft_vocab_size", head.vocab_size),
         "k": cfg.k,
         "before": before,
         "after": after,

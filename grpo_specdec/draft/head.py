@@ -1,10 +1,19 @@
-"""An EAGLE draft head that computes what vLLM's `EagleLlamaForCausalLM` computes.
+"""EAGLE draft heads that compute what vLLM's draft models compute, in vLLM's formats.
 
-Draft step at position i: f_i = layer(fc(concat(embed(x_{i+1}), h_i))), where h_i is the
-target's last-layer (post-norm) hidden state and the single decoder layer has no input
-norm; the draft's next-token logits are the target's lm_head applied to f_i, with no
-final norm. Embedding and lm_head are the target's, frozen and not exported, exactly as
-vLLM shares them at load time.
+`EagleHead` is vLLM's `EagleLlamaForCausalLM`. Draft step at position i:
+f_i = layer(fc(concat(embed(x_{i+1}), h_i))), where h_i is the target's last-layer
+(post-norm) hidden state and the single decoder layer has no input norm; the next-token
+logits are the target's lm_head applied to f_i, with no final norm.
+
+`ReducedVocabHead` is vLLM's `LlamaForCausalLMEagle3` with one hidden state in (no
+auxiliary layers): the layer attends over concat(norm(embed(x_{i+1})), norm(h_i)), the
+residual stream carries h_i, and its own lm_head covers a draft vocabulary of the most
+frequent tokens (d2t maps draft ids to target ids). On a small model the lm_head is most
+of a draft step, so a few thousand rows instead of the full vocabulary cut its cost.
+
+Both share the target's embedding (frozen, not exported), exactly as vLLM shares it at
+load time. forward() returns what the next draft step receives as its hidden state; that
+is also the regression target (the target's next hidden state).
 """
 
 from __future__ import annotations
@@ -16,84 +25,92 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
 
 from grpo_specdec.modelcheck import check_draft_matches_target, read_config
 
-ARCHITECTURE = "EagleLlamaForCausalLM"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def draft_config(target_config: dict) -> dict:
-    """The checkpoint config of a draft head for a target with this config.json."""
-    cfg = {k: v for k, v in target_config.items() if not k.startswith("_")}
-    cfg.update(architectures=[ARCHITECTURE], num_hidden_layers=1, model_type="llama")
-    for key in ("quantization_config", "auto_map"):
-        cfg.pop(key, None)
-    return cfg
+class DraftHead(nn.Module):
+    """What both heads share: config, the target's frozen embedding and lm_head, rotary
+    positions, and saving in vLLM's checkpoint layout."""
 
+    ARCHITECTURE = ""
 
-class EagleHead(nn.Module):
-    def __init__(self, config: dict, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+    def __init__(
+        self, target_config: dict, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor
+    ):
         super().__init__()
-        self.config = draft_config(config)
-        hf_cfg = LlamaConfig(**{k: v for k, v in self.config.items() if k != "architectures"})
-        hf_cfg._attn_implementation = "sdpa"
-        hidden = hf_cfg.hidden_size
+        cfg = {k: v for k, v in target_config.items() if not k.startswith("_")}
+        for key in ("quantization_config", "auto_map"):
+            cfg.pop(key, None)
+        cfg.update(architectures=[self.ARCHITECTURE], num_hidden_layers=1, model_type="llama")
+        self.config = cfg
+        self.hf_config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+        self.hf_config._attn_implementation = "sdpa"
+        hidden = self.hf_config.hidden_size
         if embed_weight.shape[1] != hidden or lm_head_weight.shape[1] != hidden:
             raise ValueError(
                 f"target embedding width {embed_weight.shape[1]} / lm_head width "
                 f"{lm_head_weight.shape[1]} do not match hidden_size={hidden}"
             )
-        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer = LlamaDecoderLayer(hf_cfg, layer_idx=0)
-        self.layer.input_layernorm = nn.Identity()
-        self.rotary = LlamaRotaryEmbedding(hf_cfg)
+        self.rotary = LlamaRotaryEmbedding(self.hf_config)
         # Frozen and shared with the target; buffers so optimisers and exports skip them.
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
 
     @property
     def hidden_size(self) -> int:
-        return self.fc.out_features
+        return self.hf_config.hidden_size
 
     @property
     def vocab_size(self) -> int:
         return self.lm_head_weight.shape[0]
 
-    def forward(
-        self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """next_ids [B,T] (the token after each hidden state), hidden [B,T,H], positions [B,T]."""
-        emb = nn.functional.embedding(next_ids, self.embed_weight).to(self.fc.weight.dtype)
-        x = self.fc(torch.cat([emb, hidden.to(self.fc.weight.dtype)], dim=-1))
-        cos_sin = self.rotary(x, positions)
-        return self.layer(
-            x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin
-        )
+    def _embed(self, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_weight).to(like.dtype)
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        return features @ self.lm_head_weight.to(features.dtype).T
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's next-token logits over the draft vocabulary."""
+        return hidden @ self.lm_head_weight.to(hidden.dtype).T
 
-    # ---- vLLM checkpoint format ----------------------------------------------------------
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
     def export_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Trainable weights under the names vLLM's EAGLE loader expects."""
-        sd = {"fc.weight": self.fc.weight}
-        sd.update({f"layers.0.{k}": v for k, v in self.layer.state_dict().items()})
-        return {k: v.detach().to(dtype or v.dtype).contiguous().clone() for k, v in sd.items()}
+        """Trainable weights under the names vLLM's loader expects."""
+        sd = self._export()
+        return {
+            k: v.detach()
+            .to(dtype if dtype and v.is_floating_point() else v.dtype)
+            .contiguous()
+            .clone()
+            for k, v in sd.items()
+        }
+
+    def _export(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
 
     def load_export_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        expected = set(self.export_state_dict())
+        expected = set(self._export())
         missing, unexpected = expected - set(sd), set(sd) - expected
         if missing or unexpected:
             raise ValueError(
                 f"draft weights: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
             )
         with torch.no_grad():
-            self.fc.weight.copy_(sd["fc.weight"])
-            self.layer.load_state_dict(
-                {k[len("layers.0.") :]: v for k, v in sd.items() if k.startswith("layers.0.")}
-            )
+            for name, tensor in self._export().items():
+                tensor.copy_(sd[name])
 
     def swap_metadata(self) -> dict[str, str]:
         """What the head was built for, checked by the engine before a hot-swap."""
@@ -111,24 +128,150 @@ class EagleHead(nn.Module):
         return out
 
 
+class EagleHead(DraftHead):
+    ARCHITECTURE = "EagleLlamaForCausalLM"
+
+    def __init__(
+        self, target_config: dict, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor
+    ):
+        super().__init__(target_config, embed_weight, lm_head_weight)
+        self.fc = nn.Linear(2 * self.hidden_size, self.hidden_size, bias=False)
+        self.layer = LlamaDecoderLayer(self.hf_config, layer_idx=0)
+        self.layer.input_layernorm = nn.Identity()
+
+    def forward(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """next_ids [B,T] (the token after each hidden state), hidden [B,T,H], positions [B,T]."""
+        x = self.fc(
+            torch.cat(
+                [self._embed(next_ids, self.fc.weight), hidden.to(self.fc.weight.dtype)], dim=-1
+            )
+        )
+        cos_sin = self.rotary(x, positions)
+        return self.layer(
+            x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin
+        )
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.target_logits(features)
+
+    def _export(self) -> dict[str, torch.Tensor]:
+        sd = {"fc.weight": self.fc.weight}
+        sd.update({f"layers.0.{k}": v for k, v in self.layer.state_dict(keep_vars=True).items()})
+        return sd
+
+
+class ReducedVocabHead(DraftHead):
+    ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+    def __init__(
+        self,
+        target_config: dict,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        vocab_ids: torch.Tensor,
+    ):
+        super().__init__(target_config, embed_weight, lm_head_weight)
+        vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long).sort().values
+        h, cfg = self.hidden_size, self.hf_config
+        self.config.update(
+            draft_vocab_size=len(vocab_ids), eagle_config={"use_aux_hidden_state": False}
+        )
+        self.input_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx=0)
+        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; hidden]
+            proj = getattr(self.self_attn, name)
+            setattr(self.self_attn, name, nn.Linear(2 * h, proj.out_features, bias=False))
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+        self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, len(vocab_ids), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_weight[vocab_ids])
+        self.register_buffer("vocab_ids", vocab_ids)
+        self.register_buffer("d2t", vocab_ids - torch.arange(len(vocab_ids)))
+
+    def forward(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = self.lm_head.weight.dtype
+        hidden = hidden.to(dtype)
+        x = torch.cat(
+            [
+                self.input_layernorm(self._embed(next_ids, self.lm_head.weight)),
+                self.hidden_norm(hidden),
+            ],
+            -1,
+        )
+        cos_sin = self.rotary(hidden, positions)
+        attn, _ = self.self_attn(
+            x, position_embeddings=cos_sin, attention_mask=None, position_ids=positions
+        )
+        residual = hidden + attn
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head_weight[self.vocab_ids].to(hidden.dtype).T
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(features))
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.vocab_ids[ids]
+
+    def _export(self) -> dict[str, torch.Tensor]:
+        sd = {
+            "lm_head.weight": self.lm_head.weight,
+            "norm.weight": self.norm.weight,
+            "d2t": self.d2t,
+        }
+        for part in (
+            "input_layernorm",
+            "hidden_norm",
+            "self_attn",
+            "post_attention_layernorm",
+            "mlp",
+        ):
+            sd.update(
+                {
+                    f"layers.0.{part}.{k}": v
+                    for k, v in getattr(self, part).state_dict(keep_vars=True).items()
+                }
+            )
+        return sd
+
+
 def target_embeddings(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embedding, lm_head) weights of a HF causal LM."""
     return target.get_input_embeddings().weight, target.get_output_embeddings().weight
 
 
-def new_head(target_dir: str | Path, target: nn.Module, seed: int = 0) -> EagleHead:
+def new_head(
+    target_dir: str | Path, target: nn.Module, seed: int = 0, vocab_ids: torch.Tensor | None = None
+) -> DraftHead:
+    """A freshly initialised head: EAGLE over the full vocabulary, or over `vocab_ids`."""
     cfg = read_config(target_dir, "target")
     embed, lm_head = target_embeddings(target)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        head = EagleHead(cfg, embed, lm_head)
+        head = (
+            EagleHead(cfg, embed, lm_head)
+            if vocab_ids is None
+            else ReducedVocabHead(cfg, embed, lm_head, vocab_ids)
+        )
     return head.float()
 
 
-def load_head(draft_dir: str | Path, target_dir: str | Path, target: nn.Module) -> EagleHead:
+def load_head(draft_dir: str | Path, target_dir: str | Path, target: nn.Module) -> DraftHead:
     check_draft_matches_target(draft_dir, target_dir)
-    head = new_head(target_dir, target)
+    weights = load_file(str(Path(draft_dir) / WEIGHTS_FILE))
+    vocab_ids = None
+    if ReducedVocabHead.ARCHITECTURE in read_config(draft_dir, "draft").get("architectures", []):
+        vocab_ids = weights["d2t"] + torch.arange(len(weights["d2t"]))
+    head = new_head(target_dir, target, vocab_ids=vocab_ids)
     head.load_export_state_dict(
-        {k: v.float() for k, v in load_file(str(Path(draft_dir) / WEIGHTS_FILE)).items()}
+        {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     )
     return head

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_specdec.draft.capture import Sequence
-from grpo_specdec.draft.head import EagleHead
+from grpo_specdec.draft.head import DraftHead
 
 
 @dataclass
@@ -44,15 +44,15 @@ def make_batch(seqs: list[Sequence]) -> DraftBatch:
 
 
 def eagle_loss(
-    head: EagleHead, batch: DraftBatch, hidden_weight: float = 2.0, ce_weight: float = 0.1
+    head: DraftHead, batch: DraftBatch, hidden_weight: float = 2.0, ce_weight: float = 0.1
 ) -> tuple[torch.Tensor, dict]:
     feats = head(batch.next_ids, batch.hidden_in, batch.positions)
     m = batch.mask
     pred, tgt = feats[m], batch.hidden_out[m].to(feats.dtype)
     l_hidden = F.smooth_l1_loss(pred, tgt)
-    draft_logits = head.logits(pred)
+    draft_logits = head.draft_logits(pred)
     with torch.no_grad():
-        target_logits = head.logits(tgt)
+        target_logits = head.target_logits(tgt)
         target_probs = target_logits.softmax(-1)
     l_ce = -(target_probs * draft_logits.log_softmax(-1)).sum(-1).mean()
     loss = hidden_weight * l_hidden + ce_weight * l_ce

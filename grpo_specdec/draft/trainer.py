@@ -10,7 +10,7 @@ from pydantic import Field
 
 from grpo_specdec.config import StrictModel
 from grpo_specdec.draft.capture import Sequence
-from grpo_specdec.draft.head import EagleHead
+from grpo_specdec.draft.head import DraftHead
 from grpo_specdec.draft.loss import eagle_loss, make_batch
 
 
@@ -27,7 +27,7 @@ class DraftTrainConfig(StrictModel):
 class DraftTrainer:
     """Plain-Python trainer; the Ray DraftLearner is a shell over it."""
 
-    def __init__(self, head: EagleHead, cfg: DraftTrainConfig):
+    def __init__(self, head: DraftHead, cfg: DraftTrainConfig):
         self.head, self.cfg = head, cfg
         params = [p for p in head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)

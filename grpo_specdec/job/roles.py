@@ -7,7 +7,6 @@ the draft learns from. DraftLearner owns the EAGLE head and its trainer.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -18,10 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
-from grpo_specdec.draft.head import EagleHead, load_head, new_head
+from grpo_specdec.draft.head import DraftHead, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.grpo.core import grpo_loss
+from grpo_specdec.job.checkpoints import latest_checkpoint
 from grpo_specdec.job.config import PolicySettings
 
 # ---- rollout --------------------------------------------------------------------------
@@ -252,6 +252,7 @@ class PolicyLearner:
         )
 
     def load(self, path: Path) -> None:
+        """Continue from a checkpoint folder written by `save`."""
         self.model.load_state_dict(
             AutoModelForCausalLM.from_pretrained(
                 path / "policy", dtype=self.model.dtype
@@ -301,7 +302,7 @@ class DraftLearner:
         checkpoints: str | None = None,
     ):
         target = AutoModelForCausalLM.from_pretrained(policy_dir)
-        self.head: EagleHead = (
+        self.head: DraftHead = (
             load_head(init, policy_dir, target) if init else new_head(policy_dir, target, seed)
         )
         del target
@@ -322,7 +323,13 @@ class DraftLearner:
         start = time.perf_counter()
         self.head.embed_weight = data.embed.to(self.device)
         self.head.lm_head_weight = data.lm_head.to(self.device)
+        last_good = self.trainer.state_dict()
         stats = self.trainer.train(data.seqs, self.rng)
+        stats["rolled_back"] = not all(torch.isfinite(p).all() for p in self.head.parameters())
+        if stats["rolled_back"]:
+            # Diverged despite the per-step guard: return to the state before this rollout.
+            self.trainer.load_state_dict(last_good)
+            stats["steps"] = 0
         if stats["steps"]:
             self.version += 1
             self.trained_on_policy = data.policy_version
@@ -354,28 +361,3 @@ class DraftLearner:
 
     def status(self) -> dict:
         return {"pid": os.getpid(), "version": self.version, "resumed_from": self.resumed_from}
-
-
-# ---- checkpoints ----------------------------------------------------------------------
-
-LATEST = "latest"
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under root (its name is in root/latest)."""
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(
-            f"checkpoint {path} named by {pointer} is incomplete (no state.json)"
-        )
-    return path
-
-
-def read_state(path: Path) -> dict:
-    try:
-        return json.loads((path / "state.json").read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"checkpoint {path} is unreadable: {err}") from None

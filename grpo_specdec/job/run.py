@@ -21,8 +21,9 @@ from tqdm import tqdm
 
 from grpo_specdec.grpo.core import group_advantages
 from grpo_specdec.job.actors import remote_roles
+from grpo_specdec.job.checkpoints import LATEST, check_checkpoint, latest_checkpoint, read_state
 from grpo_specdec.job.config import TrainConfig
-from grpo_specdec.job.roles import LATEST, PolicyBatch, latest_checkpoint, read_state
+from grpo_specdec.job.roles import PolicyBatch
 from grpo_specdec.runtime import runtime_env
 from grpo_specdec.tasks.datasets import ArithmeticSource, JsonlSource
 from grpo_specdec.tasks.rewards import reward
@@ -60,29 +61,22 @@ def resolve_model(name: str) -> str:
 
 
 class Job:
+    MAX_CONSECUTIVE_RESTARTS = 3
+
     def __init__(self, cfg: TrainConfig, resume: str | None = None, log=print):
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.out)
         self.ckpts = self.out / "checkpoints"
-        self.iteration, self.cursor = 0, 0
-        policy_dir, draft_dir = (
-            resolve_model(cfg.model.policy),
-            cfg.model.draft and resolve_model(cfg.model.draft),
-        )
-        self.base_policy = policy_dir
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.base_policy = resolve_model(cfg.model.policy)
+        self.base_draft = cfg.model.draft and resolve_model(cfg.model.draft)
+        ckpt = None
         if resume:
             ckpt = self._resume_point(Path(resume))
-            state = read_state(ckpt)
-            self.iteration, self.cursor = state["iteration"], state["cursor"]
-            random.setstate(_tuplify(state["python_rng"]))
-            policy_dir, draft_dir = str(ckpt / "policy"), str(ckpt / "draft")
-            self.log(f"resuming from {ckpt} at iteration {self.iteration}")
         elif latest_checkpoint(self.ckpts) is not None:
             raise ValueError(
                 f"{self.ckpts} already holds checkpoints: pass --resume {self.out} or choose another out"
             )
-        else:
-            random.seed(cfg.seed)
         self.out.mkdir(parents=True, exist_ok=True)
         self.source = (
             JsonlSource(cfg.data.path)
@@ -92,10 +86,24 @@ class Job:
         self.weight_dtype = str(
             next(iter(read_manifest(self.base_policy).values()))[1]
         ).removeprefix("torch.")
-
         self._init_ray()
+        self.rollout = self.policy = self.draft = None
+        self._start(ckpt)
+
+    def _start(self, ckpt: Path | None) -> None:
+        """Create the three roles: from checkpoint `ckpt`, or from the configured models."""
+        cfg = self.cfg
+        policy_dir, draft_dir = self.base_policy, self.base_draft
+        if ckpt is not None:
+            state = read_state(ckpt)
+            self.iteration, self.cursor = state["iteration"], state["cursor"]
+            random.setstate(_tuplify(state["python_rng"]))
+            policy_dir, draft_dir = str(ckpt / "policy"), str(ckpt / "draft")
+            self.log(f"starting from checkpoint {ckpt} at iteration {self.iteration}")
+        else:
+            self.iteration, self.cursor = 0, 0
+            random.seed(cfg.seed)
         Rollout, Policy, Draft = remote_roles(cfg.ray)
-        self.draft = None
         # A learner when the draft trains online, or to create a new head for the engine.
         if cfg.rollout.speculation != "off" and (cfg.draft.online or not draft_dir):
             self.draft = Draft.remote(
@@ -107,20 +115,31 @@ class Job:
                 str(self.ckpts),
             )
             if not draft_dir:  # a new head: the engine needs it on disk to start
-                draft_dir = str(self.out / "initial_draft")
-                ray.get(self.draft.save.remote(self.out / "initial_draft_state"))
-                shutil.move(str(self.out / "initial_draft_state" / "draft"), draft_dir)
-                shutil.rmtree(self.out / "initial_draft_state")
+                draft_dir = self.base_draft = str(self.out / "initial_draft")
+                staging = self.out / "initial_draft_state"
+                ray.get(self.draft.save.remote(staging))
+                shutil.move(str(staging / "draft"), draft_dir)
+                shutil.rmtree(staging)
         self.policy = Policy.remote(
             self.base_policy, cfg.policy, cfg.model.device, cfg.model.train_dtype, cfg.seed
         )
-        if resume:
-            ray.get(self.policy.load.remote(Path(policy_dir).parent))
+        if ckpt is not None:
+            ray.get(self.policy.load.remote(ckpt))
         self._ensure_profile(draft_dir)
         self._engine_cfg = self._engine_config(policy_dir, draft_dir)
         self.rollout = Rollout.remote(self._engine_cfg)
-        self.metrics_path = self.out / "metrics.jsonl"
         _truncate_metrics(self.metrics_path, self.iteration)
+
+    def _restart(self, reason: str) -> None:
+        """An actor died: rebuild every role from the newest checkpoint (or the start) and
+        redo the iterations since; their metrics records are dropped first."""
+        ckpt = latest_checkpoint(self.ckpts)
+        self.log(f"{reason}; restarting all roles from {ckpt or 'the initial models'}")
+        for actor in (self.rollout, self.policy, self.draft):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        self.rollout = self.policy = self.draft = None
+        self._start(ckpt)
 
     def _ensure_profile(self, draft_dir: str | None) -> None:
         """Concurrency-aware rollouts need the latency profile of this model on this
@@ -160,13 +179,15 @@ class Job:
 
     def _resume_point(self, path: Path) -> Path:
         if (path / "state.json").is_file():
-            return path
-        latest = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
-        if latest is None:
+            ckpt = path
+        else:
+            ckpt = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+        if ckpt is None:
             raise FileNotFoundError(
                 f"--resume {path}: no checkpoint found (looked for {path}/checkpoints/{LATEST})"
             )
-        return latest
+        check_checkpoint(ckpt)
+        return ckpt
 
     def _init_ray(self) -> None:
         env = {
@@ -258,16 +279,24 @@ class Job:
 
         sync = {}
         if policy_stats.get("policy_steps"):
-            weights = self.policy.export_weights.remote(self.weight_dtype)
-            sync["policy"] = ray.get(
-                self.rollout.load_weights.remote("policy", weights, policy_stats["policy_version"])
-            )
+            sync["policy"] = self._sync_policy(policy_stats["policy_version"])
         if draft_stats.get("draft_steps"):
             weights, meta, dversion, trained_on = ray.get(self.draft.export.remote())
-            sync["draft"] = ray.get(
-                self.rollout.load_weights.remote("draft", weights, dversion, meta)
-            )
-            draft_stats["draft_trained_on_policy"] = trained_on
+            try:
+                sync["draft"] = ray.get(
+                    self.rollout.load_weights.remote("draft", weights, dversion, meta)
+                )
+                draft_stats["draft_trained_on_policy"] = trained_on
+            except ray.exceptions.RayTaskError as err:
+                # The engine rejected or undid the swap and still serves its previous
+                # draft; rollouts stay correct (speculation is lossless), only slower.
+                draft_stats["draft_swap_error"] = str(err.cause if err.cause else err).splitlines()[
+                    0
+                ]
+                self.log(
+                    f"iteration {self.iteration + 1}: draft swap failed, keeping the previous draft: "
+                    f"{draft_stats['draft_swap_error']}"
+                )
         t_end = time.perf_counter()
 
         versions = ray.get(self.rollout.versions.remote())
@@ -302,6 +331,21 @@ class Job:
         record["policy_sync_s"] = sync.get("policy", {}).get("total_s", 0.0)
         record["draft_sync_s"] = sync.get("draft", {}).get("total_s", 0.0)
         return record
+
+    def _sync_policy(self, version: int) -> dict:
+        """Policy weights must reach the engine, or rollouts would come from a stale
+        policy: a failed sync stops the job with the reason (the engine keeps serving
+        the previous complete weights, and the last checkpoint is intact)."""
+        weights = self.policy.export_weights.remote(self.weight_dtype)
+        try:
+            return ray.get(self.rollout.load_weights.remote("policy", weights, version))
+        except ray.exceptions.RayTaskError as err:
+            cause = str(err.cause if err.cause else err).splitlines()[0]
+            raise RuntimeError(
+                f"iteration {self.iteration + 1}: policy weight sync (version {version}) failed: {cause}. "
+                f"The engine still serves the previous policy; stopping. Resume from {self.ckpts} "
+                "once the cause is fixed."
+            ) from err
 
     def _finish_draft(self, job, data, restart_timeout_s: float = 300.0) -> dict:
         if job is None:
@@ -356,14 +400,26 @@ class Job:
         tb = SummaryWriter(str(self.out / "tensorboard"))
         records = []
         bar = tqdm(
-            range(self.iteration, self.cfg.iterations),
             initial=self.iteration,
             total=self.cfg.iterations,
             desc="GRPO",
             unit="iter",
         )
-        for _ in bar:
-            record = self.step()
+        consecutive_failures = 0
+        while self.iteration < self.cfg.iterations:
+            try:
+                record = self.step()
+            except ray.exceptions.RayActorError as err:
+                consecutive_failures += 1
+                if consecutive_failures > self.MAX_CONSECUTIVE_RESTARTS:
+                    raise
+                self._restart(
+                    f"iteration {self.iteration + 1}: an actor died ({type(err).__name__})"
+                )
+                bar.n = self.iteration
+                bar.refresh()
+                continue
+            consecutive_failures = 0
             records.append(record)
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -375,6 +431,7 @@ class Job:
             ks = [int(k) for k, n in record["k_steps"].items() for _ in range(n)]
             if ks:
                 tb.add_histogram("k_chosen", torch.tensor(ks), self.iteration)
+            bar.update(1)
             bar.set_postfix(
                 reward=f"{record['reward_mean']:.2f}",
                 mal=f"{record['mean_acceptance_length']:.2f}",
@@ -385,6 +442,7 @@ class Job:
                 or self.iteration == self.cfg.iterations
             ):
                 self.checkpoint()
+        bar.close()
         tb.close()
         return records
 

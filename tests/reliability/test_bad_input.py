@@ -1,0 +1,151 @@
+"""Bad input to the job and the engine: one clear error naming the thing, before work starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from grpo_specdec.job.checkpoints import check_checkpoint
+from tests.conftest import TINY_JOB_CONFIG, job_overrides, run_cli
+
+
+def _train(*args):
+    return run_cli("train", *args, check=False, timeout=300)
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  policy: tiny\nrollout:\n  group_size: [4\n")
+    proc = _train("--config", str(bad))
+    assert proc.returncode == 2
+    assert f"config file {bad} line" in proc.stderr and "not valid YAML" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("rollout.group_size=1", "rollout.group_size"),
+        ("policy.clip_eps=3", "policy.clip_eps"),
+        ("rollout.speculation=sometimes", "rollout.speculation"),
+        ("rollout.tempreature=1.0", "rollout.tempreature"),
+        ("data.levels=[7]", "data.levels must lie in 1..4"),
+    ],
+)
+def test_out_of_range_or_unknown_values_name_the_field(override, field):
+    proc = _train("--config", TINY_JOB_CONFIG, override)
+    assert proc.returncode == 2
+    assert field in proc.stderr
+
+
+def test_empty_and_corrupt_datasets(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = _train(
+        "--config",
+        TINY_JOB_CONFIG,
+        "data.source=jsonl",
+        f"data.path={empty}",
+        f"out={tmp_path / 'o1'}",
+    )
+    assert proc.returncode == 2 and "holds no examples" in proc.stderr
+    corrupt = tmp_path / "corrupt.jsonl"
+    corrupt.write_text('{"question": "q", "answer": "#### 4"}\n\x00\x01garbage\n')
+    proc = _train(
+        "--config",
+        TINY_JOB_CONFIG,
+        "data.source=jsonl",
+        f"data.path={corrupt}",
+        f"out={tmp_path / 'o2'}",
+    )
+    assert proc.returncode == 2 and "corrupt.jsonl line 2: not valid JSON" in proc.stderr
+    missing = _train(
+        "--config", TINY_JOB_CONFIG, "data.source=jsonl", f"data.path={tmp_path / 'nope.jsonl'}"
+    )
+    assert missing.returncode == 2 and "nope.jsonl does not exist" in missing.stderr
+
+
+def test_mismatched_tokenizer(tiny_target, tmp_path):
+    from grpo_specdec.assets.smollm2 import prepare_smollm2
+
+    bad = tmp_path / "model"
+    shutil.copytree(tiny_target, bad)
+    shutil.copy(
+        prepare_smollm2() / "tokenizer.json", bad / "tokenizer.json"
+    )  # 49k-token vocabulary
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    proc = run_cli(
+        "generate",
+        "--model",
+        str(bad),
+        "--prompts",
+        str(prompts),
+        "--json",
+        "/dev/null",
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert (
+        "tokenizer" in proc.stderr
+        and "vocab_size is" in proc.stderr
+        and "do not match" in proc.stderr
+    )
+
+
+def test_draft_for_another_model(tiny_target, tmp_path):
+    from grpo_specdec.assets.smollm2 import prepare_smollm2
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    # SmolLM2 itself is no EAGLE head, and its sizes are another model's.
+    proc = run_cli(
+        "generate",
+        "--model",
+        tiny_target,
+        "--draft",
+        str(prepare_smollm2()),
+        "--prompts",
+        str(prompts),
+        "--json",
+        "/dev/null",
+        check=False,
+    )
+    assert proc.returncode == 2 and "expected one of ['EagleLlamaForCausalLM'" in proc.stderr
+
+
+def _make_checkpoint(tiny_target, tiny_draft, job_profile, tmp_path):
+    out = tmp_path / "run"
+    run_cli(
+        "train",
+        "--config",
+        TINY_JOB_CONFIG,
+        *job_overrides(tiny_target, tiny_draft, job_profile, out, 1),
+        timeout=600,
+    )
+    return out, out / "checkpoints" / "iter_000001"
+
+
+def test_corrupt_or_truncated_checkpoint(tiny_target, tiny_draft, job_profile, tmp_path):
+    out, ckpt = _make_checkpoint(tiny_target, tiny_draft, job_profile, tmp_path)
+    check_checkpoint(ckpt)
+    overrides = job_overrides(tiny_target, tiny_draft, job_profile, out, 2)
+
+    weights = ckpt / "policy" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated
+    proc = _train("--config", TINY_JOB_CONFIG, *overrides, "--resume", str(out))
+    assert proc.returncode == 2 and "model.safetensors is truncated or corrupt" in proc.stderr
+    weights.write_bytes(data)
+
+    state = ckpt / "policy_state.pt"
+    blob = bytearray(state.read_bytes())
+    blob[len(blob) // 2 : len(blob) // 2 + 64] = b"\xff" * 64  # flipped bytes
+    state.write_bytes(bytes(blob))
+    proc = _train("--config", TINY_JOB_CONFIG, *overrides, "--resume", str(out))
+    assert proc.returncode == 2 and "policy_state.pt is corrupt" in proc.stderr
+
+    (ckpt / "state.json").write_text(json.dumps({"iteration": 1}))
+    proc = _train("--config", TINY_JOB_CONFIG, *overrides, "--resume", str(out))
+    assert proc.returncode == 2 and "state.json lacks ['cursor', 'python_rng']" in proc.stderr

@@ -1,0 +1,136 @@
+"""Faults during a GRPO job: dead actors, failed swaps, a diverging draft, a SIGKILL in
+the middle of a checkpoint write. The job must recover or stop clearly, losing nothing."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import ray
+import torch
+
+from grpo_specdec.config import load_yaml
+from grpo_specdec.job.checkpoints import check_checkpoint, latest_checkpoint
+from grpo_specdec.job.config import TrainConfig
+from tests.conftest import ROOT, job_overrides, job_records, run_cli
+from tests.conftest import TINY_JOB_CONFIG as CONFIG
+
+pytestmark = pytest.mark.slow
+
+
+def _poison_head(learner):
+    with torch.no_grad():
+        learner.head.fc.weight[0, 0] = float("nan")
+
+
+def _break_next_swap(role):
+    def install(worker):
+        engine = worker.engine
+        original = engine.swap_weights
+
+        def failing(r, *args, **kwargs):
+            if r == role:
+                engine.swap_weights = original
+                raise RuntimeError(f"injected {role} swap failure")
+            return original(r, *args, **kwargs)
+
+        engine.swap_weights = failing
+
+    return install
+
+
+def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job_profile, tmp_path):
+    from grpo_specdec.job.run import Job
+
+    out = tmp_path / "run"
+    cfg = load_yaml(
+        TrainConfig, CONFIG, job_overrides(tiny_target, tiny_draft, job_profile, out, 1)
+    )
+    log: list[str] = []
+    job = Job(cfg, log=log.append)
+    try:
+        job.run()  # iteration 1, checkpoint 1
+
+        # A dead rollout worker: every role restarts from checkpoint 1, iteration 2 reruns.
+        ray.kill(job.rollout, no_restart=True)
+        job.cfg.iterations = 2
+        job.run()
+        assert any("an actor died" in line and "iter_000001" in line for line in log)
+
+        # A dead policy learner: the same, from checkpoint 2.
+        ray.kill(job.policy, no_restart=True)
+        job.cfg.iterations = 3
+        job.run()
+        assert any("an actor died" in line and "iter_000002" in line for line in log)
+
+        # The draft learner diverges: its update is rolled back, the engine keeps its draft.
+        served = ray.get(job.rollout.versions.remote())["draft"]
+        ray.get(job.draft.__ray_call__.remote(_poison_head))
+        job.cfg.iterations = 4
+        job.run()
+        rec = job_records(out)[-1]
+        assert rec["draft_rolled_back"] and rec["draft_steps"] == 0
+        assert ray.get(job.rollout.versions.remote())["draft"] == served
+
+        # A draft swap that fails inside the worker: reported, the old draft keeps serving.
+        ray.get(job.rollout.__ray_call__.remote(_break_next_swap("draft")))
+        job.cfg.iterations = 5
+        job.run()
+        rec = job_records(out)[-1]
+        assert "injected draft swap failure" in rec["draft_swap_error"]
+        assert ray.get(job.rollout.versions.remote())["draft"] == served
+
+        # A failed policy sync stops the job with a clear error.
+        ray.get(job.rollout.__ray_call__.remote(_break_next_swap("policy")))
+        job.cfg.iterations = 8
+        with pytest.raises(
+            RuntimeError, match="policy weight sync .* failed: .*injected policy swap failure"
+        ):
+            job.run()
+    finally:
+        job.shutdown()
+    iterations = [r["iteration"] for r in job_records(out)]
+    assert iterations == sorted(set(iterations)) == list(range(1, len(iterations) + 1))
+
+
+def test_sigkill_during_checkpoint_write_keeps_the_previous_one(
+    tiny_target, tiny_draft, job_profile, tmp_path
+):
+    out = tmp_path / "run"
+    overrides = job_overrides(tiny_target, tiny_draft, job_profile, out, 3)
+    # Run the job in a child process whose third checkpoint dies mid-write: after the
+    # policy is saved, before the checkpoint is renamed into place.
+    driver = textwrap.dedent(f"""
+        import os, signal
+        import grpo_specdec.job.run as run
+        from grpo_specdec.config import load_yaml
+        from grpo_specdec.job.config import TrainConfig
+        real_replace = os.replace
+        def dying_replace(src, dst):
+            if str(dst).endswith("iter_000003"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_replace(src, dst)
+        run.os.replace = dying_replace
+        job = run.Job(load_yaml(TrainConfig, {CONFIG!r}, {overrides!r}))
+        job.run()
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", driver],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        start_new_session=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    ckpts = out / "checkpoints"
+    assert (ckpts / ".tmp_iter_000003").is_dir()  # the half-written one
+    assert latest_checkpoint(ckpts) == ckpts / "iter_000002"
+    check_checkpoint(ckpts / "iter_000002")  # whole and loadable
+    run_cli("train", "--config", CONFIG, *overrides, "--resume", str(out), timeout=900)
+    assert [r["iteration"] for r in job_records(out)] == [1, 2, 3]
+    assert json.loads((ckpts / "iter_000003" / "state.json").read_text())["iteration"] == 3
