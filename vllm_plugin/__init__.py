@@ -2,9 +2,9 @@
 
 `register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process
 it starts. Features (the concurrency-aware scheduler, the weight-swap extension) are
-opt-in by configuration. The one thing it does unasked is fix a vLLM 0.32 CPU bug that
-breaks sampled speculative decoding (see `patches/`); set GRPO_SPECDEC_NO_PATCHES=1 to
-leave vLLM untouched.
+opt-in by configuration. What it does unasked is fix two vLLM 0.32 CPU problems of
+sampled speculative decoding, one of correctness and one of cost (see `patches/`); set
+GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched.
 """
 
 import os
@@ -18,7 +18,9 @@ def register() -> None:
     LOADED = True
     if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":
         return
-    from vllm_plugin.patches import cpu_expand_kernel_v0_32
+    from vllm_plugin.patches import cpu_expand_kernel_v0_32, cpu_recovered_tokens_v0_32
 
-    if cpu_expand_kernel_v0_32.apply() and "cpu_expand_kernel_v0_32" not in PATCHED:
-        PATCHED.append("cpu_expand_kernel_v0_32")
+    for patch in (cpu_expand_kernel_v0_32, cpu_recovered_tokens_v0_32):
+        name = patch.__name__.rsplit(".", 1)[1]
+        if name not in PATCHED and patch.apply():
+            PATCHED.append(name)
