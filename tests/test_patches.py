@@ -26,13 +26,13 @@ def test_patch_is_installed_in_engine_processes_on_cpu(eagle_engine):
     assert patch.applies()
     from vllm.v1.sample import rejection_sampler
 
-    from vllm_plugin.patches import cpu_recovered_tokens_v0_32
+    from vllm_plugin.patches import cpu_rejection_sample_v0_32
 
-    assert vllm_plugin.PATCHED == ["cpu_expand_kernel_v0_32", "cpu_recovered_tokens_v0_32"]
+    assert vllm_plugin.PATCHED == ["cpu_expand_kernel_v0_32", "cpu_rejection_sample_v0_32"]
     assert cpu_triton_utils._expand_kernel_impl is patch.expand_kernel_impl
     assert (
         rejection_sampler.sample_recovered_tokens
-        is cpu_recovered_tokens_v0_32.sample_recovered_tokens
+        is cpu_rejection_sample_v0_32.sample_recovered_tokens
     )
 
 
@@ -46,36 +46,73 @@ def test_sampled_speculation_follows_the_target(eagle_engine, plain_engine, ques
     assert sampled.spec["mean_acceptance_length"] > 1.5
 
 
-def test_recovered_tokens_follow_the_residual_distribution():
-    from vllm_plugin.patches import cpu_recovered_tokens_v0_32 as recovered
+def _vllm_rejection_sample():
+    """vLLM's own implementation (what the patch replaced, if it did)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
 
-    target = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).repeat(20_000, 1)
-    draft = torch.zeros(20_000, dtype=torch.int32)  # the draft proposed token 0
-    got = recovered.sample_recovered_tokens(1, [1] * 20_000, None, draft, None, target, None, "cpu")
-    freq = torch.bincount(got.long(), minlength=4).float() / len(got)
-    assert freq[0] == 0 and freq[3] == 0  # never the rejected token, never an impossible one
-    assert freq[1].item() == pytest.approx(0.6, abs=0.02) and freq[2].item() == pytest.approx(
-        0.4, abs=0.02
+    from vllm_plugin.patches import cpu_rejection_sample_v0_32 as fast
+
+    current_platform.register_triton_kernel_overrides()
+    return fast._original or rejection_sampler.rejection_sample
+
+
+def _output_distribution(sample, trials, draft_probs):
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    logits = torch.log(
+        torch.tensor(
+            [
+                [0.5, 0.3, 0.1, 0.05, 0.05, 0.0],
+                [0.1, 0.1, 0.6, 0.1, 0.1, 0.0],
+                [0.2, 0.2, 0.2, 0.2, 0.1, 0.1],
+            ]
+        )
     )
-    with_q = recovered.sample_recovered_tokens(
-        1,
-        [1] * 20_000,
-        None,
-        draft,
-        torch.tensor([[0.1, 0.3, 0.0, 0.6]]).repeat(20_000, 1),
-        target,
-        None,
-        "cpu",
+    draft = torch.tensor(
+        [1, 2, 3], dtype=torch.int32
+    )  # request 0 drafts [1, 2]; 1 drafts none; 2 drafts [3]
+    meta = SimpleNamespace(
+        all_greedy=False, all_random=True, generators={}, temperature=torch.ones(3)
     )
-    freq = torch.bincount(with_q.long(), minlength=4).float() / len(with_q)
-    # max(p - q, 0) = [0.4, 0, 0.2, 0] -> 2/3, 0, 1/3, 0
-    assert freq[0].item() == pytest.approx(2 / 3, abs=0.02) and freq[2].item() == pytest.approx(
-        1 / 3, abs=0.02
+    seen: dict[tuple, int] = {}
+    for _ in range(trials):
+        out = sample(
+            draft,
+            [2, 0, 1],
+            2,
+            torch.tensor([2, 2, 3], dtype=torch.int32),
+            draft_probs,
+            logits.clone(),
+            torch.tensor([[5], [4], [5]]),
+            meta,
+        )
+        key = tuple(out.flatten().tolist())
+        seen[key] = seen.get(key, 0) + 1
+    return {k: v / trials for k, v in seen.items()}
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+def test_fast_rejection_sampling_matches_vllm_distribution(with_draft_probs):
+    from vllm_plugin.patches import cpu_rejection_sample_v0_32 as fast
+
+    if fast._original is None:
+        fast.apply()
+    q = (
+        torch.tensor(
+            [
+                [0.1, 0.6, 0.1, 0.1, 0.1, 0.0],
+                [0.2, 0.1, 0.5, 0.1, 0.1, 0.0],
+                [0.1, 0.1, 0.1, 0.5, 0.1, 0.1],
+            ]
+        )
+        if with_draft_probs
+        else None
     )
-    empty = torch.empty(0, dtype=torch.int32)
-    assert (
-        recovered.sample_recovered_tokens(
-            0, [0], None, empty, None, torch.empty(0, 4), None, "cpu"
-        ).numel()
-        == 0
-    )
+    ours = _output_distribution(fast.rejection_sample, 20_000, q)
+    theirs = _output_distribution(_vllm_rejection_sample(), 20_000, q)
+    tv = 0.5 * sum(abs(ours.get(k, 0) - theirs.get(k, 0)) for k in set(ours) | set(theirs))
+    assert tv < 0.03, (tv, sorted(ours.items())[:5], sorted(theirs.items())[:5])
+    # request 1 drafted nothing: its output is just the bonus token
+    assert all(k[3] == 4 for k in ours)

@@ -18,9 +18,9 @@ def register() -> None:
     LOADED = True
     if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":
         return
-    from vllm_plugin.patches import cpu_expand_kernel_v0_32, cpu_recovered_tokens_v0_32
+    from vllm_plugin.patches import cpu_expand_kernel_v0_32, cpu_rejection_sample_v0_32
 
-    for patch in (cpu_expand_kernel_v0_32, cpu_recovered_tokens_v0_32):
+    for patch in (cpu_expand_kernel_v0_32, cpu_rejection_sample_v0_32):
         name = patch.__name__.rsplit(".", 1)[1]
         if name not in PATCHED and patch.apply():
             PATCHED.append(name)
