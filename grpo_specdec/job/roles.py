@@ -7,6 +7,7 @@ the draft learns from. DraftLearner owns the EAGLE head and its trainer.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import time
@@ -317,22 +318,25 @@ class DraftLearner:
         if latest is not None:
             self.load(latest)
             self.resumed_from = str(latest)
+        self._last_good = copy.deepcopy(self.trainer.state_dict())
 
     def train(self, data: DraftData) -> dict:
         # The draft must predict with the embedding and lm_head the engine will pair it with.
         start = time.perf_counter()
         self.head.embed_weight = data.embed.to(self.device)
         self.head.lm_head_weight = data.lm_head.to(self.device)
-        last_good = self.trainer.state_dict()
         stats = self.trainer.train(data.seqs, self.rng)
         stats["rolled_back"] = not all(torch.isfinite(p).all() for p in self.head.parameters())
         if stats["rolled_back"]:
-            # Diverged despite the per-step guard: return to the state before this rollout.
-            self.trainer.load_state_dict(last_good)
+            # Diverged despite the per-step guard: return to the last good state.
+            skipped = self.trainer.skipped_steps
+            self.trainer.load_state_dict(copy.deepcopy(self._last_good))
+            self.trainer.skipped_steps = skipped
             stats["steps"] = 0
         if stats["steps"]:
             self.version += 1
             self.trained_on_policy = data.policy_version
+            self._last_good = copy.deepcopy(self.trainer.state_dict())
         stats["seconds"] = time.perf_counter() - start
         return {f"draft_{k}": v for k, v in stats.items()} | {"draft_version": self.version}
 
