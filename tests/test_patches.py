@@ -20,20 +20,15 @@ def test_expand_keeps_dtype_and_replaces(dtype):
 
 def test_patch_is_installed_in_engine_processes_on_cpu(eagle_engine):
     from vllm.utils import cpu_triton_utils
-
-    import vllm_plugin
-
-    assert patch.applies()
     from vllm.v1.sample import rejection_sampler
 
+    import vllm_plugin
     from vllm_plugin.patches import cpu_rejection_sample_v0_32
 
+    assert patch.applies()
     assert vllm_plugin.PATCHED == ["cpu_expand_kernel_v0_32", "cpu_rejection_sample_v0_32"]
     assert cpu_triton_utils._expand_kernel_impl is patch.expand_kernel_impl
-    assert (
-        rejection_sampler.sample_recovered_tokens
-        is cpu_rejection_sample_v0_32.sample_recovered_tokens
-    )
+    assert rejection_sampler.rejection_sample is cpu_rejection_sample_v0_32.rejection_sample
 
 
 def test_sampled_speculation_follows_the_target(eagle_engine, plain_engine, questions):
