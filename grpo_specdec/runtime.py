@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 _REEXEC_MARK = "GRPO_SPECDEC_RUNTIME_APPLIED"
+_CPUS_VAR = "GRPO_SPECDEC_WORKER_CPUS"
 
 
 def iomp_library() -> Path | None:
@@ -32,6 +33,21 @@ def runtime_env(env: dict[str, str]) -> dict[str, str]:
     # Ray would otherwise log every actor's stdout twice and warn about the dashboard.
     out.setdefault("RAY_DEDUP_LOGS", "1")
     return out
+
+
+def worker_cpus_env() -> dict[str, str]:
+    """For an embedded Ray: the CPUs its workers may use, which are this process's.
+
+    Processes forked after Intel OpenMP has started (the raylet, hence every Ray worker)
+    come up pinned to a single core; `restore_worker_cpus` undoes that in each worker."""
+    return {_CPUS_VAR: ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}
+
+
+def restore_worker_cpus() -> None:
+    """Ray `worker_process_setup_hook`: give the worker the CPUs named by the driver."""
+    cpus = os.environ.get(_CPUS_VAR)
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 
 
 def apply_runtime(argv: list[str]) -> None:

@@ -51,6 +51,11 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         assert any(
             p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir()
         )
+        # Every role computes on the driver's CPUs, not on the single core that processes
+        # forked after OpenMP start-up (the embedded raylet, so every worker) are pinned to.
+        for actor in (job.rollout, job.policy, job.draft):
+            cpus = ray.get(actor.__ray_call__.remote(lambda _: os.sched_getaffinity(0)))
+            assert cpus == os.sched_getaffinity(0)
         versions = ray.get(job.rollout.versions.remote())
         assert versions["draft"] == 2  # a new head every iteration
         assert versions["policy"] == sum(r["policy_steps"] for r in records)

@@ -24,7 +24,7 @@ from grpo_specdec.job.actors import remote_roles
 from grpo_specdec.job.checkpoints import LATEST, check_checkpoint, latest_checkpoint, read_state
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.job.roles import PolicyBatch
-from grpo_specdec.runtime import runtime_env
+from grpo_specdec.runtime import runtime_env, worker_cpus_env
 from grpo_specdec.tasks.datasets import ArithmeticSource, JsonlSource
 from grpo_specdec.tasks.rewards import reward
 from vllm_plugin.manifest import read_manifest
@@ -128,6 +128,14 @@ class Job:
         self._ensure_profile(draft_dir)
         self._engine_cfg = self._engine_config(policy_dir, draft_dir)
         self.rollout = Rollout.remote(self._engine_cfg)
+        # Start-up (model loads, engine compile) must not count in the first iteration's times.
+        ray.get(
+            [
+                a.__ray_ready__.remote()
+                for a in (self.rollout, self.policy, self.draft)
+                if a is not None
+            ]
+        )
         _truncate_metrics(self.metrics_path, self.iteration)
 
     def _restart(self, reason: str) -> None:
@@ -205,7 +213,10 @@ class Job:
             ray.init(
                 num_cpus=os.cpu_count(),
                 include_dashboard=False,
-                runtime_env={"env_vars": env},
+                runtime_env={
+                    "env_vars": {**env, **worker_cpus_env()},
+                    "worker_process_setup_hook": "grpo_specdec.runtime.restore_worker_cpus",
+                },
                 log_to_driver=True,
             )
 
