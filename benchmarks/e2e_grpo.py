@@ -116,7 +116,7 @@ def report(shape: str, s: dict, iterations: int, args) -> str:
     a = s["a"]
     gen_share = a["generation_s"] / a["iteration_s"]
     lines = [
-        f"### Shape `{shape}`: {iterations} iterations per configuration",
+        f"{iterations} iterations per configuration, the same seed and data in each.",
         "",
         f"Generation is {100 * gen_share:.0f}% of an iteration without speculation.",
         "",
@@ -215,6 +215,7 @@ def main() -> None:
     if set(args.configs) == set(CONFIGS):
         plot(args.shape, s)
         body = (
+            f"## End-to-end GRPO, shape `{args.shape}` (SmolLM2-135M, CPU)\n\n"
             f"Measured with `python benchmarks/e2e_grpo.py --shape {args.shape} --iterations {args.iterations}` "
             f"on {hardware_name()} in {time.time() - started:.0f}s.\n\n"
             + report(args.shape, s, args.iterations, args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_specdec.config import StrictModel
 from grpo_specdec.draft.trainer import DraftTrainConfig
@@ -49,6 +49,12 @@ class RolloutSettings(StrictModel):
     max_model_len: int = Field(1024, ge=64)
     kv_cache_gib: float = Field(1.0, gt=0)
     enforce_eager: bool = False
+
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        # YAML reads a bare `off` as false.
+        return "off" if value is False else value
 
 
 class PolicySettings(StrictModel):

@@ -39,6 +39,17 @@ def test_out_of_range_or_unknown_values_name_the_field(override, field):
     assert field in proc.stderr
 
 
+def test_yaml_booleans_are_not_mistaken_for_values():
+    from grpo_specdec.config import load_yaml
+    from grpo_specdec.job.config import TrainConfig
+
+    # YAML 1.1 reads a bare `off` as false; it still means "no speculation".
+    cfg = load_yaml(TrainConfig, TINY_JOB_CONFIG, ["rollout.speculation=off"])
+    assert cfg.rollout.speculation == "off"
+    with pytest.raises(ValueError, match="rollout.speculation"):
+        load_yaml(TrainConfig, TINY_JOB_CONFIG, ["rollout.speculation=on"])
+
+
 def test_empty_and_corrupt_datasets(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
