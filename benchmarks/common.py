@@ -16,8 +16,11 @@ ASSETS = DOCS / "assets"
 def cli(*args: str) -> str:
     """Run `grpo-specdec ARGS`; return the last line it printed (the path it wrote)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "grpo_specdec", *args], check=True, capture_output=True, text=True
+        [sys.executable, "-m", "grpo_specdec", *args], capture_output=True, text=True
     )
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"grpo-specdec {' '.join(args)} failed ({proc.returncode}):\n{tail}")
     return proc.stdout.strip().splitlines()[-1]
 
 

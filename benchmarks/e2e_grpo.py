@@ -1,6 +1,7 @@
 """End-to-end GRPO speedup and ablation on SmolLM2-135M, the paper's table on our stack.
 
     python benchmarks/e2e_grpo.py [--shape default|generation_heavy] [--iterations N]
+        [--set model.device=cuda --set ray.rollout_gpus=1 ...]
 
 The same GRPO run (seed, data, iterations) in five configurations:
   (a) no speculation
@@ -53,12 +54,25 @@ CONFIGS = {
 }
 SHAPES = {
     "default": [],  # configs/smollm2_arith.yaml as is
-    "generation_heavy": ["rollout.group_size=16", "rollout.max_tokens=256", "data.levels=[2,3]"],
+    # Twice the tokens per sample and per group, half the groups: longer low-concurrency tails.
+    "generation_heavy": [
+        "rollout.prompts_per_iteration=2",
+        "rollout.group_size=16",
+        "rollout.max_tokens=256",
+        "data.levels=[2,3]",
+    ],
 }
 
 
 def run_config(
-    key: str, shape: str, iterations: int, k: int, head: str, profile: Path, out_root: Path
+    key: str,
+    shape: str,
+    iterations: int,
+    k: int,
+    head: str,
+    profile: Path,
+    out_root: Path,
+    extra: list[str],
 ) -> list[dict]:
     from grpo_specdec.job.run import Job
 
@@ -73,6 +87,7 @@ def run_config(
         f"model.draft={head}",
         f"rollout.controller.profile={profile}",
         f"out={out}",
+        *extra,
     ]
     cfg = load_yaml(TrainConfig, ROOT / "configs" / "smollm2_arith.yaml", overrides)
     job = Job(cfg)
@@ -196,6 +211,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--configs", default="abcde")
     ap.add_argument("--out", default=str(ROOT / "runs" / "e2e"))
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every run, e.g. model.device=cuda (repeatable)",
+    )
     args = ap.parse_args()
     target = smollm2()
     head = smollm2_head(target)
@@ -204,7 +226,7 @@ def main() -> None:
     for key in args.configs:
         t = time.time()
         runs[key] = run_config(
-            key, args.shape, args.iterations, args.k, head, profile, Path(args.out)
+            key, args.shape, args.iterations, args.k, head, profile, Path(args.out), args.set
         )
         print(f"({key}) {CONFIGS[key][0]}: {time.time() - t:.0f}s", flush=True)
     s = summarize(runs)
@@ -215,9 +237,10 @@ def main() -> None:
     if set(args.configs) == set(CONFIGS):
         plot(args.shape, s)
         body = (
-            f"## End-to-end GRPO, shape `{args.shape}` (SmolLM2-135M, CPU)\n\n"
-            f"Measured with `python benchmarks/e2e_grpo.py --shape {args.shape} --iterations {args.iterations}` "
-            f"on {hardware_name()} in {time.time() - started:.0f}s.\n\n"
+            f"## End-to-end GRPO, shape `{args.shape}` (SmolLM2-135M)\n\n"
+            f"Measured with `python benchmarks/e2e_grpo.py --shape {args.shape} --iterations {args.iterations}"
+            + "".join(f" --set {kv}" for kv in args.set)
+            + f"` on {hardware_name()} in {time.time() - started:.0f}s.\n\n"
             + report(args.shape, s, args.iterations, args)
         )
         write_section(DOCS / "BENCHMARKS.md", f"e2e-{args.shape}", body)
