@@ -151,6 +151,9 @@ def report(shape: str, s: dict, iterations: int, args) -> str:
     e, b = s["e"], s["b"]
     lines += [
         "",
+        "t vs (a): Welch's t of the per-sample rewards against (a); |t| < 2 means the reward "
+        "curves agree within sampling noise, as lossless speculation should.",
+        "",
         f"End-to-end speedup of (e): {a['iteration_s'] / e['iteration_s']:.2f}x over (a), "
         f"{b['iteration_s'] / e['iteration_s']:.2f}x over (b). Generation time of (e) vs (b), (c), (d): "
         + ", ".join(f"{s[k]['generation_s'] / e['generation_s']:.2f}x" for k in ("b", "c", "d"))
