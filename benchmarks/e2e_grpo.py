@@ -61,6 +61,9 @@ SHAPES = {
         "rollout.max_tokens=256",
         "data.levels=[2,3]",
     ],
+    # 4x the default learning rate: the policy moves within ~20 iterations, so a frozen draft
+    # can go stale (at 5e-6 it barely moves, and frozen and online stay alike).
+    "policy_drift": ["policy.lr=2e-5"],
 }
 
 
@@ -73,11 +76,11 @@ def run_config(
     profile: Path,
     out_root: Path,
     extra: list[str],
+    reuse: bool,
 ) -> list[dict]:
     from grpo_specdec.job.run import Job
 
     out = out_root / shape / key
-    shutil.rmtree(out, ignore_errors=True)
     overrides = [
         *SHAPES[shape],
         *CONFIGS[key][1],
@@ -89,13 +92,32 @@ def run_config(
         f"out={out}",
         *extra,
     ]
+    if reuse and _finished(out, overrides, iterations):
+        print(f"({key}) reusing the finished run in {out}", flush=True)
+        return _metrics(out)
+    shutil.rmtree(out, ignore_errors=True)
     cfg = load_yaml(TrainConfig, ROOT / "configs" / "smollm2_arith.yaml", overrides)
     job = Job(cfg)
     try:
         job.run()
     finally:
         job.shutdown()
+    (out / "overrides.json").write_text(json.dumps(overrides))
+    return _metrics(out)
+
+
+def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _finished(out: Path, overrides: list[str], iterations: int) -> bool:
+    """A run of exactly these overrides that reached its last iteration."""
+    saved = out / "overrides.json"
+    return (
+        saved.is_file()
+        and json.loads(saved.read_text()) == overrides
+        and len(_metrics(out)) == iterations
+    )
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
@@ -115,7 +137,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "reward": mean("reward_mean"),
             "accuracy": mean("accuracy"),
             "mal": [r["mean_acceptance_length"] for r in recs],
+            "reward_per_iteration": [r["reward_mean"] for r in recs],
             "rewards": [r["rewards"] for r in recs],
+            "draft_policy_lag": [r.get("draft_policy_lag") for r in recs],
             "tokens_per_s": mean("tokens_per_s"),
         }
     return out
@@ -127,37 +151,91 @@ def welch_t(x: list[float], y: list[float]) -> float:
     return (statistics.mean(x) - statistics.mean(y)) / math.sqrt(vx + vy) if vx + vy > 0 else 0.0
 
 
-def report(shape: str, s: dict, iterations: int, args) -> str:
-    a = s["a"]
-    gen_share = a["generation_s"] / a["iteration_s"]
-    lines = [
-        f"{iterations} iterations per configuration, the same seed and data in each.",
-        "",
-        f"Generation is {100 * gen_share:.0f}% of an iteration without speculation.",
-        "",
-        "| config | generation s/iter | policy update s | draft train s | sync s | iteration s | generation speedup vs (a) | end-to-end speedup vs (a) | mean acceptance length (first → last) | reward | t vs (a) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+def trend(values: list[float]) -> tuple[float, float, float]:
+    """(mean of the first quarter, mean of the last quarter, least-squares slope per iteration)."""
+    q = max(1, len(values) // 4)
+    slope = (
+        statistics.linear_regression(range(len(values)), values).slope if len(values) > 1 else 0.0
+    )
+    return statistics.mean(values[:q]), statistics.mean(values[-q:]), slope
+
+
+def report(shape: str, s: dict, iterations: int) -> str:
+    keys = [k for k in CONFIGS if k in s]
+    a = s.get("a")
+    lines = [f"{iterations} iterations per configuration, the same seed and data in each.", ""]
+    if a:
+        share = a["generation_s"] / a["iteration_s"]
+        lines += [f"Generation is {100 * share:.0f}% of an iteration without speculation.", ""]
+    vs_a = (
+        "| generation speedup vs (a) | end-to-end speedup vs (a) | reward | t vs (a) |"
+        if a
+        else "| reward |"
+    )
+    lines += [
+        "| config | generation s/iter | policy update s | draft train s | sync s | iteration s "
+        + vs_a,
+        "|---" * (6 + vs_a.count("|") - 1) + "|",
     ]
-    flat_a = [x for it in a["rewards"] for x in it]
-    for key, (name, _) in CONFIGS.items():
+    flat_a = [x for it in a["rewards"] for x in it] if a else []
+    for key in keys:
         r = s[key]
-        flat = [x for it in r["rewards"] for x in it]
-        lines.append(
-            f"| ({key}) {name} | {r['generation_s']:.1f} | {r['policy_update_s']:.1f} | {r['draft_train_s']:.1f} | "
-            f"{r['sync_s']:.2f} | {r['iteration_s']:.1f} | {a['generation_s'] / r['generation_s']:.2f}x | "
-            f"{a['iteration_s'] / r['iteration_s']:.2f}x | {r['mal'][0]:.2f} → {r['mal'][-1]:.2f} | {r['reward']:.3f} | "
-            f"{welch_t(flat, flat_a):+.2f} |"
+        row = (
+            f"| ({key}) {CONFIGS[key][0]} | {r['generation_s']:.1f} | {r['policy_update_s']:.1f} | "
+            f"{r['draft_train_s']:.1f} | {r['sync_s']:.2f} | {r['iteration_s']:.1f} | "
         )
-    e, b = s["e"], s["b"]
+        if a:
+            flat = [x for it in r["rewards"] for x in it]
+            row += (
+                f"{a['generation_s'] / r['generation_s']:.2f}x | {a['iteration_s'] / r['iteration_s']:.2f}x | "
+                f"{r['reward']:.3f} | {welch_t(flat, flat_a):+.2f} |"
+            )
+        else:
+            row += f"{r['reward']:.3f} |"
+        lines.append(row)
+    if a:
+        lines += [
+            "",
+            "t vs (a): Welch's t of the per-sample rewards against (a); |t| < 2 means the reward "
+            "curves agree within sampling noise, as lossless speculation should.",
+        ]
+    q = max(1, iterations // 4)
     lines += [
         "",
-        "t vs (a): Welch's t of the per-sample rewards against (a); |t| < 2 means the reward "
-        "curves agree within sampling noise, as lossless speculation should.",
+        f"Trends: mean over the first {q} vs the last {q} iterations, and the least-squares slope per iteration.",
         "",
-        f"End-to-end speedup of (e): {a['iteration_s'] / e['iteration_s']:.2f}x over (a), "
-        f"{b['iteration_s'] / e['iteration_s']:.2f}x over (b). Generation time of (e) vs (b), (c), (d): "
-        + ", ".join(f"{s[k]['generation_s'] / e['generation_s']:.2f}x" for k in ("b", "c", "d"))
-        + " (>1 means (e) is faster).",
+        "| config | reward first → last | reward slope | mean acceptance length first → last | acceptance length slope | draft lag (policy versions) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in keys:
+        r = s[key]
+        rf, rl, rs = trend(r["reward_per_iteration"])
+        mf, ml, ms = trend(r["mal"])
+        lags = sorted({lag for lag in r["draft_policy_lag"] if lag is not None})
+        lines.append(
+            f"| ({key}) | {rf:.3f} → {rl:.3f} | {rs:+.4f} | {mf:.2f} → {ml:.2f} | {ms:+.4f} | "
+            f"{', '.join(map(str, lags)) or '-'} |"
+        )
+    lines += [
+        "",
+        "Per iteration (reward mean / mean acceptance length):",
+        "",
+        "| iteration | " + " | ".join(f"({k})" for k in keys) + " |",
+        "|---" * (len(keys) + 1) + "|",
+    ]
+    for i in range(iterations):
+        cells = [f"{s[k]['reward_per_iteration'][i]:.3f} / {s[k]['mal'][i]:.2f}" for k in keys]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    if set(keys) == set(CONFIGS):
+        e, b = s["e"], s["b"]
+        lines += [
+            "",
+            f"End-to-end speedup of (e): {a['iteration_s'] / e['iteration_s']:.2f}x over (a), "
+            f"{b['iteration_s'] / e['iteration_s']:.2f}x over (b). Generation time of (e) vs (b), (c), (d): "
+            + ", ".join(f"{s[k]['generation_s'] / e['generation_s']:.2f}x" for k in ("b", "c", "d"))
+            + " (>1 means (e) is faster).",
+        ]
+    lines += [
         "",
         f"![acceptance length per iteration](assets/e2e_{shape}_acceptance.png) ![time split](assets/e2e_{shape}_split.png)",
     ]
@@ -170,14 +248,16 @@ def plot(shape: str, s: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    keys = [k for k in CONFIGS if k in s]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key in "bcde":
-        ax.plot(
-            range(1, len(s[key]["mal"]) + 1),
-            s[key]["mal"],
-            "-o",
-            label=f"({key}) {CONFIGS[key][0]}",
-        )
+    for key in keys:
+        if key != "a":
+            ax.plot(
+                range(1, len(s[key]["mal"]) + 1),
+                s[key]["mal"],
+                "-o",
+                label=f"({key}) {CONFIGS[key][0]}",
+            )
     ax.set(
         xlabel="GRPO iteration",
         ylabel="mean acceptance length",
@@ -189,11 +269,11 @@ def plot(shape: str, s: dict) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     parts = ["generation_s", "policy_update_s", "draft_wait_s", "sync_s"]
-    bottom = [0.0] * len(CONFIGS)
+    bottom = [0.0] * len(keys)
     for part in parts:
-        vals = [s[k][part] for k in CONFIGS]
+        vals = [s[k][part] for k in keys]
         ax.bar(
-            [f"({k})" for k in CONFIGS],
+            [f"({k})" for k in keys],
             vals,
             bottom=bottom,
             label=part.removesuffix("_s").replace("_", " "),
@@ -215,6 +295,11 @@ def main() -> None:
     ap.add_argument("--configs", default="abcde")
     ap.add_argument("--out", default=str(ROOT / "runs" / "e2e"))
     ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep configurations that already finished with the same settings under --out",
+    )
+    ap.add_argument(
         "--set",
         action="append",
         default=[],
@@ -229,7 +314,15 @@ def main() -> None:
     for key in args.configs:
         t = time.time()
         runs[key] = run_config(
-            key, args.shape, args.iterations, args.k, head, profile, Path(args.out), args.set
+            key,
+            args.shape,
+            args.iterations,
+            args.k,
+            head,
+            profile,
+            Path(args.out),
+            args.set,
+            args.reuse,
         )
         print(f"({key}) {CONFIGS[key][0]}: {time.time() - t:.0f}s", flush=True)
     s = summarize(runs)
@@ -237,17 +330,19 @@ def main() -> None:
     (ASSETS / f"e2e_{args.shape}.json").write_text(
         json.dumps({"hardware": hardware_name(), "summary": s, "args": vars(args)}, indent=1)
     )
-    if set(args.configs) == set(CONFIGS):
-        plot(args.shape, s)
-        body = (
-            f"## End-to-end GRPO, shape `{args.shape}` (SmolLM2-135M)\n\n"
-            f"Measured with `python benchmarks/e2e_grpo.py --shape {args.shape} --iterations {args.iterations}"
-            + "".join(f" --set {kv}" for kv in args.set)
-            + f"` on {hardware_name()} in {time.time() - started:.0f}s.\n\n"
-            + report(args.shape, s, args.iterations, args)
-        )
-        write_section(DOCS / "BENCHMARKS.md", f"e2e-{args.shape}", body)
-        print(body)
+    plot(args.shape, s)
+    body = (
+        f"## End-to-end GRPO, shape `{args.shape}` (SmolLM2-135M)\n\n"
+        f"Measured with `python benchmarks/e2e_grpo.py --shape {args.shape} --iterations {args.iterations}"
+        f" --configs {args.configs}"
+        + "".join(f" --set {kv}" for kv in args.set)
+        + f"` on {hardware_name()} in {time.time() - started:.0f}s"
+        + (" (finished configurations reused)" if args.reuse else "")
+        + ".\n\n"
+        + report(args.shape, s, args.iterations)
+    )
+    write_section(DOCS / "BENCHMARKS.md", f"e2e-{args.shape}", body)
+    print(body)
 
 
 if __name__ == "__main__":
