@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, deque
 
 import pytest
 
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import tiny_engine_config
 from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
-from vllm_plugin.scheduler import K_METRIC, k_histogram
+from vllm_plugin.scheduler import K_METRIC, k_histogram, recent
 
 # A roofline whose knee sits at 8 tokens: deep drafts pay at B=1, none at B>=16.
 LATENCY = LatencyModel(
@@ -60,7 +60,7 @@ def test_no_drafts_at_high_concurrency_and_deep_drafts_alone(aware_engine, quest
 
 def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, questions):
     scheduler = aware_engine.scheduler()
-    start = len(scheduler.step_trace)
+    mark = scheduler.steps_scheduled
     hist_before = _k_counts()
     prompts = (questions * 2)[:24]
     # Requests of very different lengths, so concurrency decays within one batch.
@@ -69,7 +69,7 @@ def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, qu
         [_sampling(4 + 3 * i) for i in range(len(prompts))],
         use_tqdm=False,
     )
-    trace = list(scheduler.step_trace)[start:]
+    trace = scheduler.steps_since(mark)
     by_batch = {}
     for _, b, k, _ in trace:
         by_batch.setdefault(b, set()).add(k)
@@ -90,6 +90,17 @@ def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, qu
     assert [list(o.outputs[0].token_ids) for o in out] == [
         list(o.outputs[0].token_ids) for o in plain
     ]
+
+
+def test_steps_since_a_mark_stay_right_once_the_trace_is_full():
+    # The trace keeps the newest records only; a window taken by length would come back
+    # empty once it is full, so windows are counted from the total of steps scheduled.
+    trace = deque(maxlen=3)
+    for step in range(5):
+        trace.append(step)
+    assert recent(trace, 2) == [3, 4]
+    assert recent(trace, 7) == [2, 3, 4]
+    assert recent(trace, 0) == []
 
 
 def _k_counts() -> Counter:

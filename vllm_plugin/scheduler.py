@@ -12,6 +12,7 @@ lookup is replaced by the controller. Acceptance feeds back through
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -103,6 +104,11 @@ class _PolicyLookup:
         return self.policy.choose(batch_size)
 
 
+def recent(trace: deque, n: int) -> list:
+    """The last n records of trace (all it holds if n exceeds that)."""
+    return list(itertools.islice(trace, max(0, len(trace) - n), None)) if n > 0 else []
+
+
 class ConcurrencyAwareMixin:
     def _init_controller(self) -> None:
         if self.num_spec_tokens <= 0:
@@ -119,6 +125,7 @@ class ConcurrencyAwareMixin:
         self.set_policy(build_policy(self.controller_settings, self.acceptance, self.vllm_config))
         # (monotonic time, running requests, k, decode-only step), one per step.
         self.step_trace: deque = deque(maxlen=self.controller_settings.trace_steps)
+        self.steps_scheduled = 0  # keeps counting once the trace drops its oldest records
         self._k_metric = k_histogram().labels(
             model_name=self.vllm_config.model_config.served_model_name
         )
@@ -127,6 +134,11 @@ class ConcurrencyAwareMixin:
             self.controller_settings.policy,
             self.num_spec_tokens,
         )
+
+    def steps_since(self, mark: int) -> list[tuple]:
+        """The trace records of the steps scheduled after `steps_scheduled` was `mark`
+        (the newest ones the trace still holds, if more steps ran than it keeps)."""
+        return recent(self.step_trace, self.steps_scheduled - mark)
 
     def set_policy(self, policy: Policy | list[int]) -> None:
         """Change where k comes from, at run time: a policy, or a dense batch-size -> k
@@ -146,6 +158,7 @@ class ConcurrencyAwareMixin:
             self.step_trace.append(
                 (time.monotonic(), len(out.num_scheduled_tokens), k, decode_only)
             )
+            self.steps_scheduled += 1
             _ensure_registered(k_histogram())
             self._k_metric.observe(k)
         return out

@@ -43,11 +43,11 @@ class RolloutWorker:
         self.engine = Engine(EngineConfig.model_validate(engine_cfg))
 
     def rollout(self, prompts: list[str], sampling: dict) -> Rollout:
-        trace = self._trace()
-        start = len(trace) if trace is not None else 0
+        scheduler = self._aware_scheduler()
+        mark = scheduler.steps_scheduled if scheduler is not None else 0
         res = self.engine.generate(prompts, SamplingSettings.model_validate(sampling))
         k_steps: dict[int, int] = {}
-        for _, _, k, _ in list(trace)[start:] if trace is not None else []:
+        for _, _, k, _ in scheduler.steps_since(mark) if scheduler is not None else []:
             k_steps[k] = k_steps.get(k, 0) + 1
         return Rollout(
             res.prompt_token_ids,
@@ -58,7 +58,7 @@ class RolloutWorker:
             k_steps,
         )
 
-    def _trace(self):
+    def _aware_scheduler(self):
         spec = self.engine.cfg.speculative
         if (
             spec is None
@@ -66,7 +66,7 @@ class RolloutWorker:
             or self.engine.cfg.engine_process != "in_process"
         ):
             return None
-        return self.engine.scheduler().step_trace
+        return self.engine.scheduler()
 
     def load_weights(
         self, role: str, weights: dict, version: int, metadata: dict | None = None
