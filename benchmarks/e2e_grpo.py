@@ -64,6 +64,9 @@ SHAPES = {
     # 4x the default learning rate: the policy moves within ~20 iterations, so a frozen draft
     # can go stale (at 5e-6 it barely moves, and frozen and online stay alike).
     "policy_drift": ["policy.lr=2e-5"],
+    # 20x: far above a sensible GRPO rate, to see whether a frozen draft goes stale at all
+    # once the policy does move in 20 iterations.
+    "fast_drift": ["policy.lr=1e-4"],
 }
 
 
