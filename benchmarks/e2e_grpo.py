@@ -170,16 +170,19 @@ def report(shape: str, s: dict, iterations: int) -> str:
     if a:
         share = a["generation_s"] / a["iteration_s"]
         lines += [f"Generation is {100 * share:.0f}% of an iteration without speculation.", ""]
-    vs_a = (
-        "| generation speedup vs (a) | end-to-end speedup vs (a) | reward | t vs (a) |"
-        if a
-        else "| reward |"
-    )
-    lines += [
-        "| config | generation s/iter | policy update s | draft train s | sync s | iteration s "
-        + vs_a,
-        "|---" * (6 + vs_a.count("|") - 1) + "|",
+    columns = [
+        "config",
+        "generation s/iter",
+        "policy update s",
+        "draft train s",
+        "sync s",
+        "iteration s",
     ]
+    if a:
+        columns += ["generation speedup vs (a)", "end-to-end speedup vs (a)", "reward", "t vs (a)"]
+    else:
+        columns += ["reward"]
+    lines += ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     flat_a = [x for it in a["rewards"] for x in it] if a else []
     for key in keys:
         r = s[key]
