@@ -48,7 +48,9 @@ class Problem:
 
 def _step(rng: random.Random, total: int, level: int, name: str, item: str) -> tuple[str, str, int]:
     """One operation on the running total: (sentence, worked equation, new total)."""
-    ops = ["add", "sub"] + (["mul"] if level >= 3 else [])
+    # Subtract only while the total can stay positive; when it cannot, levels 1-2 add
+    # (multiplication is for level 3 up).
+    ops = ["add"] + (["sub"] if total > 1 else []) + (["mul"] if level >= 3 else [])
     op = rng.choice(ops)
     hi = 10 * level
     if op == "add":
@@ -60,7 +62,7 @@ def _step(rng: random.Random, total: int, level: int, name: str, item: str) -> t
             f"{total} + {k} = {total + k}",
             total + k,
         )
-    if op == "sub" and total > 1:
+    if op == "sub":
         k = rng.randint(1, total - 1)
         return (
             rng.choice([f"Then {name} gives away {k} {item}.", f"{name} loses {k} {item}."]),
