@@ -1,7 +1,8 @@
 """End-to-end GRPO speedup and ablation on SmolLM2-135M, the paper's table on our stack.
 
-    python benchmarks/e2e_grpo.py [--shape default|generation_heavy] [--iterations N]
+    python benchmarks/e2e_grpo.py [--shape SHAPE] [--iterations N] [--configs abcde]
         [--set model.device=cuda --set ray.rollout_gpus=1 ...]
+    python benchmarks/e2e_grpo.py --shape SHAPE --report-only   # docs from the saved JSON
 
 The same GRPO run (seed, data, iterations) in five configurations:
   (a) no speculation
@@ -140,7 +141,6 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "reward": mean("reward_mean"),
             "accuracy": mean("accuracy"),
             "mal": [r["mean_acceptance_length"] for r in recs],
-            "reward_per_iteration": [r["reward_mean"] for r in recs],
             "rewards": [r["rewards"] for r in recs],
             "draft_policy_lag": [r.get("draft_policy_lag") for r in recs],
             "tokens_per_s": mean("tokens_per_s"),
@@ -148,10 +148,28 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
-def welch_t(x: list[float], y: list[float]) -> float:
-    """Welch's t statistic for a difference in means (|t| < 2: within sampling noise)."""
-    vx, vy = statistics.variance(x) / len(x), statistics.variance(y) / len(y)
-    return (statistics.mean(x) - statistics.mean(y)) / math.sqrt(vx + vy) if vx + vy > 0 else 0.0
+def group_size(shape: str, sets: list[str]) -> int:
+    """Samples per prompt in the runs of this shape, from the config they were run with."""
+    cfg = load_yaml(TrainConfig, ROOT / "configs" / "smollm2_arith.yaml", [*SHAPES[shape], *sets])
+    return cfg.rollout.group_size
+
+
+def prompt_means(rewards: list[list[float]], group: int) -> list[float]:
+    """Mean reward of each prompt's group of samples, in the order the prompts were drawn.
+
+    `rewards` holds one flat list per iteration, prompt-major (the group of prompt 0 first).
+    """
+    flat = [x for iteration in rewards for x in iteration]
+    return [statistics.mean(flat[i : i + group]) for i in range(0, len(flat), group)]
+
+
+def paired_t(x: list[float], y: list[float]) -> float:
+    """Paired t statistic of mean(x - y) over matched units (|t| < 2: within sampling noise)."""
+    d = [a - b for a, b in zip(x, y, strict=True)]
+    m, sd = statistics.mean(d), statistics.stdev(d)
+    if sd == 0:
+        return 0.0 if m == 0 else math.copysign(math.inf, m)
+    return m / (sd / math.sqrt(len(d)))
 
 
 def trend(values: list[float]) -> tuple[float, float, float]:
@@ -163,9 +181,12 @@ def trend(values: list[float]) -> tuple[float, float, float]:
     return statistics.mean(values[:q]), statistics.mean(values[-q:]), slope
 
 
-def report(shape: str, s: dict, iterations: int) -> str:
+def report(shape: str, s: dict, iterations: int, group: int) -> str:
     keys = [k for k in CONFIGS if k in s]
     a = s.get("a")
+    ref = keys[0]  # rewards are compared with (a) when it ran
+    ref_means = prompt_means(s[ref]["rewards"], group)
+    reward_per_iteration = {k: [statistics.mean(it) for it in s[k]["rewards"]] for k in keys}
     lines = [f"{iterations} iterations per configuration, the same seed and data in each.", ""]
     if a:
         share = a["generation_s"] / a["iteration_s"]
@@ -179,11 +200,9 @@ def report(shape: str, s: dict, iterations: int) -> str:
         "iteration s",
     ]
     if a:
-        columns += ["generation speedup vs (a)", "end-to-end speedup vs (a)", "reward", "t vs (a)"]
-    else:
-        columns += ["reward"]
+        columns += ["generation speedup vs (a)", "end-to-end speedup vs (a)"]
+    columns += ["reward", f"paired t vs ({ref})"]
     lines += ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    flat_a = [x for it in a["rewards"] for x in it] if a else []
     for key in keys:
         r = s[key]
         row = (
@@ -191,19 +210,21 @@ def report(shape: str, s: dict, iterations: int) -> str:
             f"{r['draft_train_s']:.1f} | {r['sync_s']:.2f} | {r['iteration_s']:.1f} | "
         )
         if a:
-            flat = [x for it in r["rewards"] for x in it]
             row += (
-                f"{a['generation_s'] / r['generation_s']:.2f}x | {a['iteration_s'] / r['iteration_s']:.2f}x | "
-                f"{r['reward']:.3f} | {welch_t(flat, flat_a):+.2f} |"
+                f"{a['generation_s'] / r['generation_s']:.2f}x | "
+                f"{a['iteration_s'] / r['iteration_s']:.2f}x | "
             )
-        else:
-            row += f"{r['reward']:.3f} |"
-        lines.append(row)
-    if a:
+        t = "-" if key == ref else f"{paired_t(prompt_means(r['rewards'], group), ref_means):+.2f}"
+        lines.append(row + f"{r['reward']:.3f} | {t} |")
+    if len(keys) > 1:
         lines += [
             "",
-            "t vs (a): Welch's t of the per-sample rewards against (a); |t| < 2 means the reward "
-            "curves agree within sampling noise, as lossless speculation should.",
+            f"paired t vs ({ref}): each prompt's mean reward over its {group} samples minus "
+            f"({ref})'s on the same prompt (every configuration draws the same prompts), "
+            f"t of these differences over the {len(ref_means)} prompts ({len(ref_means) - 1} "
+            "degrees of freedom). A prompt's samples are not independent of each other, so "
+            "the prompt is the unit. |t| < 2 means the rewards agree within sampling noise, "
+            "as lossless speculation should.",
         ]
     q = max(1, iterations // 4)
     lines += [
@@ -215,12 +236,15 @@ def report(shape: str, s: dict, iterations: int) -> str:
     ]
     for key in keys:
         r = s[key]
-        rf, rl, rs = trend(r["reward_per_iteration"])
+        rf, rl, rs = trend(reward_per_iteration[key])
         mf, ml, ms = trend(r["mal"])
-        lags = sorted({lag for lag in r["draft_policy_lag"] if lag is not None})
+        if "draft_policy_lag" in r:
+            lags = sorted({lag for lag in r["draft_policy_lag"] if lag is not None})
+            lag = ", ".join(map(str, lags)) or "-"
+        else:  # saved before the job logged the lag
+            lag = "not recorded"
         lines.append(
-            f"| ({key}) | {rf:.3f} → {rl:.3f} | {rs:+.4f} | {mf:.2f} → {ml:.2f} | {ms:+.4f} | "
-            f"{', '.join(map(str, lags)) or '-'} |"
+            f"| ({key}) | {rf:.3f} → {rl:.3f} | {rs:+.4f} | {mf:.2f} → {ml:.2f} | {ms:+.4f} | {lag} |"
         )
     lines += [
         "",
@@ -230,7 +254,7 @@ def report(shape: str, s: dict, iterations: int) -> str:
         "|---" * (len(keys) + 1) + "|",
     ]
     for i in range(iterations):
-        cells = [f"{s[k]['reward_per_iteration'][i]:.3f} / {s[k]['mal'][i]:.2f}" for k in keys]
+        cells = [f"{reward_per_iteration[k][i]:.3f} / {s[k]['mal'][i]:.2f}" for k in keys]
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     if set(keys) == set(CONFIGS):
         e, b = s["e"], s["b"]
@@ -291,28 +315,8 @@ def plot(shape: str, s: dict) -> None:
     fig.savefig(ASSETS / f"e2e_{shape}_split.png", dpi=120)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--shape", choices=list(SHAPES), default="default")
-    ap.add_argument("--iterations", type=int, default=6)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--configs", default="abcde")
-    ap.add_argument("--out", default=str(ROOT / "runs" / "e2e"))
-    ap.add_argument(
-        "--reuse",
-        action="store_true",
-        help="keep configurations that already finished with the same settings under --out",
-    )
-    ap.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override for every run, e.g. model.device=cuda (repeatable)",
-    )
-    args = ap.parse_args()
+def measure(args: argparse.Namespace) -> dict:
+    """Run the configurations; their results as saved in docs/assets/e2e_SHAPE.json."""
     target = smollm2()
     head = smollm2_head(target)
     profile = smollm2_profile(target, head, args.k)
@@ -331,22 +335,74 @@ def main() -> None:
             args.reuse,
         )
         print(f"({key}) {CONFIGS[key][0]}: {time.time() - t:.0f}s", flush=True)
-    s = summarize(runs)
-    ASSETS.mkdir(parents=True, exist_ok=True)
-    (ASSETS / f"e2e_{args.shape}.json").write_text(
-        json.dumps({"hardware": hardware_name(), "summary": s, "args": vars(args)}, indent=1)
+    return {
+        "hardware": hardware_name(),
+        "summary": summarize(runs),
+        "args": vars(args),
+        "wall_s": time.time() - started,
+    }
+
+
+def section(data: dict, rebuilt: bool) -> str:
+    """The docs/BENCHMARKS.md section of one shape's saved results."""
+    args = data["args"]
+    shape, sets = args["shape"], args.get("set", [])
+    command = (
+        f"python benchmarks/e2e_grpo.py --shape {shape} --iterations {args['iterations']}"
+        f" --configs {args['configs']}" + "".join(f" --set {kv}" for kv in sets)
     )
-    plot(args.shape, s)
-    body = (
-        f"## End-to-end GRPO, shape `{args.shape}` (SmolLM2-135M)\n\n"
-        f"Measured with `python benchmarks/e2e_grpo.py --shape {args.shape} --iterations {args.iterations}"
-        f" --configs {args.configs}"
-        + "".join(f" --set {kv}" for kv in args.set)
-        + f"` on {hardware_name()} in {time.time() - started:.0f}s"
-        + (" (finished configurations reused)" if args.reuse else "")
-        + ".\n\n"
-        + report(args.shape, s, args.iterations)
+    measured = f"Measured with `{command}` on {data['hardware']}"
+    if "wall_s" in data:
+        measured += f" in {data['wall_s']:.0f}s"
+    if args.get("reuse"):
+        measured += " (finished configurations reused)"
+    if rebuilt:
+        measured += (
+            f"; tables rebuilt from the saved results (`docs/assets/e2e_{shape}.json`) with "
+            f"`python benchmarks/e2e_grpo.py --shape {shape} --report-only`"
+        )
+    return f"## End-to-end GRPO, shape `{shape}` (SmolLM2-135M)\n\n{measured}.\n\n" + report(
+        shape, data["summary"], args["iterations"], group_size(shape, sets)
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shape", choices=list(SHAPES), default="default")
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--configs", default="abcde")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "e2e"))
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep configurations that already finished with the same settings under --out",
+    )
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rebuild the shape's section of docs/BENCHMARKS.md from its saved "
+        "docs/assets/e2e_SHAPE.json",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every run, e.g. model.device=cuda (repeatable)",
+    )
+    args = ap.parse_args()
+    saved = ASSETS / f"e2e_{args.shape}.json"
+    if args.report_only:
+        data = json.loads(saved.read_text())
+    else:
+        data = measure(args)
+        ASSETS.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(data, indent=1))
+        plot(args.shape, data["summary"])
+    body = section(data, rebuilt=args.report_only)
     write_section(DOCS / "BENCHMARKS.md", f"e2e-{args.shape}", body)
     print(body)
 

@@ -1,0 +1,71 @@
+"""The e2e benchmark's reward comparison: prompts, not samples, are the independent units."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from benchmarks.e2e_grpo import paired_t, prompt_means, report
+
+# Per-prompt rewards of two configurations on the same six prompts: a difference within noise.
+X = [0.5, 0.2, 0.4, 0.3, 0.6, 0.1]
+Y = [0.3, 0.4, 0.1, 0.2, 0.3, 0.2]
+
+
+def welch_t(x: list[float], y: list[float]) -> float:
+    """Welch's t, every value an independent unit (the report used it on per-sample rewards)."""
+    vx, vy = statistics.variance(x) / len(x), statistics.variance(y) / len(y)
+    return (statistics.mean(x) - statistics.mean(y)) / math.sqrt(vx + vy)
+
+
+def test_prompt_means_split_each_iteration_prompt_major():
+    rewards = [[1, 1, 0, 0, 0.5, 0.5], [0, 0.25, 1, 1, 0, 0]]  # 2 iterations x 3 prompts x 2
+    assert prompt_means(rewards, group=2) == [1, 0, 0.5, 0.125, 1, 0]
+
+
+def test_paired_t_matches_the_textbook_value():
+    # Differences 1, 2, 3: mean 2, standard deviation 1, so t = 2 / (1 / sqrt 3).
+    assert paired_t([2, 4, 6], [1, 2, 3]) == pytest.approx(2 * math.sqrt(3))
+    assert paired_t([1, 2, 3], [1, 2, 3]) == 0.0
+
+
+def test_duplicated_samples_inflate_the_per_sample_t_but_not_the_prompt_level_t():
+    # G identical samples per prompt carry no more information than one, whatever G (8 and
+    # 16 are the group sizes of the benchmark's shapes).
+    t_once = paired_t(X, Y)
+    assert abs(t_once) < 2
+    for group in (8, 16):
+        rx = [[v for v in X for _ in range(group)]]
+        ry = [[v for v in Y for _ in range(group)]]
+        assert paired_t(prompt_means(rx, group), prompt_means(ry, group)) == pytest.approx(t_once)
+        assert welch_t(rx[0], ry[0]) > 3  # the same data looks significant
+
+
+def test_pairing_removes_the_spread_between_prompts():
+    # Prompts differ a lot in difficulty; one configuration is a little better on every one.
+    # Compared prompt by prompt that is a clear difference, which an unpaired test hides.
+    easy_to_hard = [0.9, 0.7, 0.5, 0.3, 0.1, 0.05]
+    better = [v + 0.05 + 0.01 * i for i, v in enumerate(easy_to_hard)]
+    assert paired_t(better, easy_to_hard) > 5
+    assert abs(welch_t(better, easy_to_hard)) < 1
+
+
+def test_report_shows_the_paired_prompt_level_t_against_the_reference():
+    def run(per_prompt: list[float]) -> dict:  # 2 iterations x 3 prompts x 8 equal samples
+        return {
+            "generation_s": 1.0,
+            "policy_update_s": 1.0,
+            "draft_train_s": 0.0,
+            "sync_s": 0.0,
+            "iteration_s": 2.0,
+            "reward": statistics.mean(per_prompt),
+            "mal": [1.0, 1.0],
+            "rewards": [[v for v in per_prompt[i : i + 3] for _ in range(8)] for i in (0, 3)],
+        }
+
+    text = report("default", {"a": run(Y), "b": run(X)}, iterations=2, group=8)
+    row = next(line for line in text.splitlines() if line.startswith("| (b) "))
+    assert row.endswith(f"| {paired_t(X, Y):+.2f} |")
+    assert "over the 6 prompts (5 degrees of freedom)" in text
