@@ -7,10 +7,14 @@ sampled speculative decoding, one of correctness and one of cost (see `patches/`
 GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched.
 """
 
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 LOADED = False
 PATCHED: list[str] = []
+SKIPPED: list[str] = []
 
 
 def register() -> None:
@@ -18,9 +22,24 @@ def register() -> None:
     LOADED = True
     if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":
         return
+    import vllm
+    from vllm.platforms import current_platform
+
     from vllm_plugin.patches import cpu_expand_kernel_v0_32, cpu_rejection_sample_v0_32
 
     for patch in (cpu_expand_kernel_v0_32, cpu_rejection_sample_v0_32):
         name = patch.__name__.rsplit(".", 1)[1]
-        if name not in PATCHED and patch.apply():
+        if name in PATCHED or name in SKIPPED:
+            continue
+        if patch.apply():
             PATCHED.append(name)
+        else:
+            # register() may run again in the same process: say it once.
+            SKIPPED.append(name)
+            logger.warning(
+                "grpo-specdec patch %s not applied: it targets vLLM %s on CPU, found vLLM %s on %s",
+                name,
+                patch.TARGET_VERSION,
+                vllm.__version__,
+                current_platform.device_type,
+            )

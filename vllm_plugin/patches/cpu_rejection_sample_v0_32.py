@@ -8,10 +8,14 @@ even when no token was drafted; at k = 5 it costs more than the model.
 
 This replacement keeps vLLM's rule exactly (accept draft token x with probability
 min(1, p(x)/q(x)), q one-hot for greedy drafts; at the first rejection emit a token from
-max(p - q, 0) renormalised; after k acceptances emit the bonus token) but decides
-acceptance first and samples a recovered token only where a draft was rejected: at most
-one row per request, by inverse CDF. Batches that mix greedy and sampled requests, and
-synthetic acceptance, go to vLLM's own implementation.
+max(p - q, 0) renormalised, p itself after a padded draft (id -1); after k acceptances
+emit the bonus token) but decides acceptance first and samples a recovered token only
+where a draft was rejected: at most one row per request, by inverse CDF in float64, with
+the request's own generator when it has one. Batches that mix greedy and sampled
+requests, and synthetic acceptance, go to vLLM's own implementation.
+
+`use_fp64_gumbel` asks for float64 sampling noise; this path draws and accumulates in
+float64 whatever its value, so the flag is met without being read.
 """
 
 from __future__ import annotations
@@ -81,24 +85,39 @@ def rejection_sample(
     out[req[keep], pos[keep]] = draft[keep].to(torch.int32)
 
     # At the first rejection, a token from the residual distribution (one row per request).
-    first = rejected & (pos == n_accepted[req])
-    rows = first.nonzero().squeeze(1)
-    residual = probs[rows]
+    rows = (rejected & (pos == n_accepted[req])).nonzero().squeeze(1)
+    target = probs[rows]
     if draft_probs is None:
-        residual.scatter_(1, safe[rows], 0.0)
+        # The rejected token leaves the residual; a padded draft takes nothing out.
+        residual = target.clone()
+        hit = valid[rows].nonzero().squeeze(1)
+        residual[hit, draft[rows[hit]]] = 0.0
     else:
-        residual = (residual - draft_probs[rows]).clamp_(min=0.0)
-    total = residual.sum(dim=1, keepdim=True)
-    nothing = total.squeeze(1) <= 0  # all mass on a padded draft's slot: use p itself
-    residual[nothing] = probs[rows][nothing]
-    cdf = residual.cumsum(dim=1)
-    u = torch.rand(len(rows), 1, device=device, dtype=cdf.dtype) * cdf[:, -1:]
-    recovered = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[1] - 1).squeeze(1)
-    out[req[rows], pos[rows]] = recovered.to(torch.int32)
+        residual = (target - draft_probs[rows]).clamp_(min=0.0)
+    # Nothing left (p <= q everywhere, so p == q up to rounding): sample p itself.
+    exhausted = residual.sum(dim=1) <= 0
+    residual[exhausted] = target[exhausted]
+    u = torch.rand(len(rows), dtype=torch.float64, device=device)
+    generators = sampling_metadata.generators
+    if generators:
+        for i, r in enumerate(req[rows].tolist()):
+            if r in generators:
+                u[i : i + 1].uniform_(generator=generators[r])
+    out[req[rows], pos[rows]] = inverse_cdf(residual, u).to(torch.int32)
 
     done = n_accepted == counts  # every draft accepted: the bonus token follows
     out[done, counts[done]] = bonus_token_ids.view(-1)[done].to(torch.int32)
     return out
+
+
+def inverse_cdf(weights, u):
+    """Per row of `weights`, the first index whose running sum exceeds u * the row's total."""
+    # Near 1 a float32 running sum moves in steps of 6e-8, so a token lighter than that gets
+    # none or twice its share: over a ~49k vocabulary up to ~1e-3 of the mass is misplaced.
+    cdf = weights.double().cumsum(dim=1)
+    point = (u * cdf[:, -1])[:, None]
+    index = torch.searchsorted(cdf, point, right=True).squeeze(1)
+    return index.clamp_(max=weights.shape[1] - 1)
 
 
 def applies() -> bool:
