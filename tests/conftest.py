@@ -25,12 +25,16 @@ ASSET_SOURCES = [
 ]
 
 
-def run_cli(*args: str, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, check: bool = True, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`grpo-specdec ARGS` in a fresh process; `env` is added to this process's environment."""
     proc = subprocess.run(
         [sys.executable, "-m", "grpo_specdec", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"grpo-specdec {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")

@@ -2,9 +2,10 @@
 
 `register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process
 it starts. Features (the concurrency-aware scheduler, the weight-swap extension) are
-opt-in by configuration. What it does unasked is fix two vLLM 0.32 CPU problems of
-sampled speculative decoding, one of correctness and one of cost (see `patches/`); set
-GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched.
+opt-in by configuration. What it does unasked is fix vLLM 0.32 CPU problems (see
+`patches/`, one module each): sampled speculative decoding that was not lossless and
+cost too much, engine starts that recompiled every time, aborted at random, or failed
+after numba was imported; set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched.
 """
 
 import logging
@@ -25,9 +26,21 @@ def register() -> None:
     import vllm
     from vllm.platforms import current_platform
 
-    from vllm_plugin.patches import cpu_expand_kernel_v0_32, cpu_rejection_sample_v0_32
+    from vllm_plugin.patches import (
+        cpu_compile_cache_v0_32,
+        cpu_expand_kernel_v0_32,
+        cpu_kernel_scan_v0_32,
+        cpu_onednn_release_v0_32,
+        cpu_rejection_sample_v0_32,
+    )
 
-    for patch in (cpu_expand_kernel_v0_32, cpu_rejection_sample_v0_32):
+    for patch in (
+        cpu_expand_kernel_v0_32,
+        cpu_rejection_sample_v0_32,
+        cpu_onednn_release_v0_32,
+        cpu_compile_cache_v0_32,
+        cpu_kernel_scan_v0_32,
+    ):
         name = patch.__name__.rsplit(".", 1)[1]
         if name in PATCHED or name in SKIPPED:
             continue

@@ -1,0 +1,38 @@
+"""vLLM 0.32.0, CPU only: the torch.compile cache never loads, so every start recompiles.
+
+On CPU vLLM compiles with torch's own inductor backend (compilation mode
+DYNAMO_TRACE_ONCE). The cached artifact it saves is therefore torch's
+`BundledAOTAutogradSerializableCallable`, not vLLM's `VllmSerializableFunction`, yet
+vLLM's loader (`_try_load_aot_compiled_fn`) ends every load with
+`compiled_fn.finalize_loading(vllm_config)`, which only vLLM's own artifact has. The
+AttributeError is logged as "Compiling model again due to a load failure" and the
+model is traced and compiled from scratch on every start.
+
+Torch's artifact is complete once deserialised: there is nothing to finalise. The fix
+gives it the missing method as a no-op, which is what later vLLM versions do by
+calling `finalize_loading` only where it exists.
+"""
+
+from __future__ import annotations
+
+TARGET_VERSION = "0.32.0"
+
+
+def finalize_loading(self, vllm_config) -> None:
+    """Nothing to do: torch's bundled artifact is loaded in full when deserialised."""
+
+
+def applies() -> bool:
+    import vllm
+    from vllm.platforms import current_platform
+
+    return vllm.__version__ == TARGET_VERSION and current_platform.is_cpu()
+
+
+def apply() -> bool:
+    if not applies():
+        return False
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+
+    BundledAOTAutogradSerializableCallable.finalize_loading = finalize_loading
+    return True

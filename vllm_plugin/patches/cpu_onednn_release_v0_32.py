@@ -1,0 +1,52 @@
+"""vLLM 0.32.0, CPU only: engine starts could abort with a fatal stack overflow.
+
+Each linear layer on CPU owns a oneDNN matmul handle; `CPUDNNLGEMMHandler.__del__`
+releases it with `handler_tensor.item()`. When an EAGLE draft shares the target's
+lm_head, the draft's own lm_head (and its handle) is dropped inside a reference cycle,
+so it is freed by the cyclic garbage collector at an arbitrary later moment: usually
+while torch.compile traces the model under a FakeTensorMode. There `.item()` on a real
+tensor is intercepted by the mode and fails deep inside its dispatch, the handle leaks,
+and when the collection happens near the recursion limit the interpreter aborts
+("Cannot recover from stack overflow").
+
+The replacement reads the handle outside any active dispatch mode, so releasing it is
+the same few frames wherever the collector runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+TARGET_VERSION = "0.32.0"
+
+
+def release_handle(handler) -> None:
+    """`CPUDNNLGEMMHandler.__del__`, safe under tracing modes."""
+    tensor = handler.handler_tensor
+    if tensor is None:
+        return
+    if torch._C._len_torch_dispatch_stack() == 0:
+        # The common case, and the only one at interpreter exit, when the mode
+        # machinery can no longer import what it needs.
+        handle = tensor.item()
+    else:
+        with _disable_current_modes():
+            handle = tensor.item()
+    handler.dtor(handle)
+
+
+def applies() -> bool:
+    import vllm
+    from vllm.platforms import current_platform
+
+    return vllm.__version__ == TARGET_VERSION and current_platform.is_cpu()
+
+
+def apply() -> bool:
+    if not applies():
+        return False
+    from vllm import _custom_ops
+
+    _custom_ops.CPUDNNLGEMMHandler.__del__ = release_handle
+    return True
