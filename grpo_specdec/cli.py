@@ -83,6 +83,7 @@ def _draft_train(args) -> None:
         seed=args.seed,
         enforce_eager=args.eager,
         draft_vocab=args.draft_vocab,
+        max_model_len=args.max_model_len,
         train={"lr": args.lr, "batch_size": args.batch_size},
     )
     report = bootstrap_draft(
@@ -100,6 +101,7 @@ def _profile(args) -> None:
         model=args.model,
         draft=args.draft,
         dtype=args.dtype,
+        max_model_len=args.max_model_len,
         k_max=args.k_max,
         batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
         steps=args.steps,
@@ -125,6 +127,15 @@ def _train(args) -> None:
         job.shutdown()
     print(summary_table(records))
     print(cfg.out)
+
+
+def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: the model's limit, capped to what the KV cache holds)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--raw", action="store_true", help="send prompts as raw text, no chat template"
     )
     gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--max-model-len", type=int, default=2048)
+    _max_model_len_arg(gen)
     gen.add_argument("--kv-cache-gib", type=float, default=1.0)
     gen.add_argument("--eager", action="store_true", help="skip torch.compile (faster start)")
     gen.add_argument("--json", required=True, help="where to write the outputs and metrics")
@@ -192,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="draft over only the N most frequent tokens (EAGLE-3 format, d2t map)",
     )
+    _max_model_len_arg(dtrain)
     dtrain.add_argument("--eager", action="store_true")
     dtrain.add_argument("--json", default=None, help="write the report here")
     dtrain.set_defaults(func=_draft_train)
@@ -204,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", required=True, help="PROFILE.json (also saved to the profile store)")
     prof.add_argument("--plot", default=None, help="PNG of T(n) with its knee")
     prof.add_argument("--dtype", default="auto")
+    _max_model_len_arg(prof)
     prof.add_argument("--k-max", type=int, default=4)
     prof.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     prof.add_argument("--steps", type=int, default=16)

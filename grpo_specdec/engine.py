@@ -21,7 +21,13 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from grpo_specdec.config import StrictModel
-from grpo_specdec.modelcheck import check_draft_matches_target, check_model_dir, draft_method
+from grpo_specdec.modelcheck import (
+    check_draft_matches_target,
+    check_model_dir,
+    draft_method,
+    resolve_max_model_len,
+)
+from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.settings import ControllerSettings
 
@@ -48,10 +54,18 @@ class SpeculativeSettings(StrictModel):
         return self
 
 
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
 class EngineConfig(StrictModel):
     model: str
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int = Field(1024, ge=16)
+    dtype: Dtype = "auto"
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        description="context length; default: the model's position limit, capped to what "
+        "the KV cache holds (resolved on validation)",
+    )
     max_num_seqs: int = Field(256, ge=1)
     kv_cache_gib: float = Field(1.0, gt=0)
     seed: int = 0
@@ -60,10 +74,14 @@ class EngineConfig(StrictModel):
     speculative: SpeculativeSettings | None = None
 
     @model_validator(mode="after")
-    def _paths_exist(self) -> EngineConfig:
+    def _check_models(self) -> EngineConfig:
         check_model_dir(self.model, "model")
-        if self.speculative is not None:
-            check_draft_matches_target(self.speculative.draft, self.model)
+        draft = self.speculative and self.speculative.draft
+        if draft:
+            check_draft_matches_target(draft, self.model)
+        self.max_model_len = resolve_max_model_len(
+            self.max_model_len, self.model, self.kv_cache_gib, self.dtype, draft
+        )
         return self
 
 
@@ -240,6 +258,15 @@ class Engine:
 
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
+        mixed = self.llm.collective_rpc("grpo_mixed_weights")[0]
+        if mixed:
+            raise MixedWeightsError(
+                "refusing to generate: "
+                + "; ".join(
+                    f"the {role} weights may be a mix ({why}); a successful {role} swap clears this"
+                    for role, why in mixed.items()
+                )
+            )
         ids = [p if isinstance(p, list) else self.encode(p, chat) for p in prompts]
         for i, p in enumerate(ids):
             if len(p) + 1 > self.cfg.max_model_len:
@@ -324,6 +351,11 @@ class Engine:
 
     def weight_versions(self) -> dict[str, int]:
         return self.llm.collective_rpc("grpo_weight_versions")[0]
+
+    def declare_weight_versions(self, versions: dict[str, int]) -> None:
+        """Number the weights the engine started from (e.g. a checkpoint's policy and draft
+        versions); `weight_versions` reports them until each role's next swap."""
+        self.llm.collective_rpc("grpo_declare_weight_versions", args=(versions,))
 
     def shutdown(self) -> None:
         for path in self._swap_files.values():

@@ -96,3 +96,77 @@ def check_draft_matches_target(draft: str | Path, target: str | Path) -> None:
                 f"draft: {draft} was built for {key}={d.get(key)}, but the target {target} "
                 f"has {key}={t.get(key)}"
             )
+
+
+# The config.json keys vLLM reads a position limit from; it takes the smallest present.
+POSITION_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# vLLM allocates KV cache in whole blocks (128 tokens on CPU) and holds one block back.
+KV_BLOCK_SLACK = 256
+
+
+def position_limit(cfg: dict) -> int | None:
+    return min((cfg[k] for k in POSITION_KEYS if isinstance(cfg.get(k), int)), default=None)
+
+
+def kv_values_per_token(cfg: dict) -> int | None:
+    """Numbers cached per token (K and V of every layer), or None for a config of
+    another shape."""
+    try:
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return 2 * cfg["num_hidden_layers"] * (cfg.get("num_key_value_heads") or heads) * head_dim
+    except (KeyError, TypeError):
+        return None
+
+
+def resolve_max_model_len(
+    requested: int | None,
+    model: str | Path,
+    kv_cache_gib: float,
+    dtype: str = "auto",
+    draft: str | Path | None = None,
+) -> int:
+    """The context length an engine runs with: `requested`, checked against the model's
+    position limit, or by default (None) that limit, lowered to the longest sequence
+    the KV cache holds: vLLM refuses to start unless one full-length sequence fits, and
+    the draft's layers share the cache. With dtype "auto" the checkpoint's dtype is
+    assumed, an upper bound, as vLLM's "auto" keeps or narrows it (x86 CPUs run float32
+    checkpoints in bfloat16): the cap may fall short of what fits, not beyond it."""
+    cfg = read_config(model, "model")
+    limit = position_limit(cfg)
+    if requested is not None:
+        if limit is not None and requested > limit:
+            raise ValueError(
+                f"max_model_len={requested} exceeds the model's position limit: "
+                f"{Path(model) / 'config.json'} allows {limit} tokens"
+            )
+        return requested
+    if limit is None:
+        raise ValueError(
+            f"max_model_len: {Path(model) / 'config.json'} declares no position limit "
+            f"({', '.join(POSITION_KEYS[:2])}, ...); set max_model_len"
+        )
+    values = [kv_values_per_token(cfg)]
+    if draft is not None:
+        values.append(kv_values_per_token(read_config(draft, "draft")))
+    if None in values:
+        return limit  # a layout this estimate does not know; vLLM checks the memory itself
+    if dtype == "auto":
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+    fits = int(kv_cache_gib * (1 << 30)) // (sum(values) * DTYPE_BYTES.get(dtype, 4))
+    fits -= KV_BLOCK_SLACK
+    if fits < 16:
+        raise ValueError(
+            f"kv_cache_gib={kv_cache_gib} holds too few tokens of {model} for one sequence; "
+            "raise kv_cache_gib"
+        )
+    return min(limit, fits)

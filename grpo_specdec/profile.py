@@ -31,7 +31,7 @@ class ProfileConfig(StrictModel):
     k_max: int = Field(4, ge=1, le=16)
     batch_sizes: list[int] = [1, 2, 4, 8, 16, 32, 64]
     steps: int = Field(16, ge=4, description="decode steps timed per (B, k)")
-    max_model_len: int = 1024
+    max_model_len: int | None = Field(None, ge=16, description="default: from the model")
     enforce_eager: bool = False
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from grpo_specdec.engine import SamplingSettings
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tiny_engine_config
 
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=48)
 
@@ -99,6 +99,35 @@ def test_generate_cli_writes_outputs_and_metrics(tiny_target, tiny_draft, questi
     assert set(sample) == {"text", "token_ids", "finish_reason"} and sample["token_ids"]
     assert payload["spec"]["draft_tokens"] == 2 * payload["spec"]["drafts"] > 0
     assert payload["wall_s"] > 0
+
+
+def test_generate_cli_takes_the_context_length_from_the_model(tiny_target, tmp_path):
+    # The README's plain generate line (--eager only to skip compilation here).
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(
+        "Ana has 3 apples. Ana gets 4 more apples. How many apples does Ana have now?\n"
+    )
+    out = tmp_path / "out.json"
+    run_cli(
+        "generate", "--model", tiny_target, "--prompts", str(prompts), "--json", str(out), "--eager"
+    )
+    assert json.loads(out.read_text())["outputs"][0][0]["token_ids"]
+
+
+def test_default_context_length_fits_a_small_kv_cache(tiny_target, tiny_draft, questions):
+    from grpo_specdec.engine import Engine
+
+    cfg = tiny_engine_config(
+        tiny_target, tiny_draft, max_model_len=None, kv_cache_gib=0.001, max_num_seqs=4
+    )
+    assert cfg.max_model_len < 1024  # the cache, not the position limit, decides here
+    engine = Engine(cfg)  # vLLM refuses to start when one full-length sequence does not fit
+    try:
+        assert engine.llm.llm_engine.vllm_config.model_config.max_model_len == cfg.max_model_len
+        out = engine.generate(questions[:2], GREEDY)
+    finally:
+        engine.shutdown()
+    assert all(g[0].token_ids for g in out.outputs)
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,7 @@ class DraftBootstrapConfig(StrictModel):
     k: int = Field(3, ge=1)
     gen_temperature: float = Field(0.7, ge=0)
     max_tokens: int = Field(128, ge=1)
-    max_model_len: int = Field(1024, ge=64)
+    max_model_len: int | None = Field(None, ge=64, description="default: from the model")
     seed: int = 0
     enforce_eager: bool = False
     draft_vocab: int | None = Field(

@@ -46,7 +46,7 @@ class RolloutSettings(StrictModel):
     speculation: Literal["off", "fixed", "concurrency_aware"] = "concurrency_aware"
     k: int = Field(4, ge=1, le=16, description="draft tokens (the most, when concurrency-aware)")
     controller: ControllerSettings = ControllerSettings()
-    max_model_len: int = Field(1024, ge=64)
+    max_model_len: int | None = Field(None, ge=64, description="default: from the model")
     kv_cache_gib: float = Field(1.0, gt=0)
     enforce_eager: bool = False
 
