@@ -27,6 +27,7 @@ from grpo_specdec.modelcheck import (
     draft_method,
     resolve_max_model_len,
 )
+from grpo_specdec.vllm_compat import stop_engine
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.settings import ControllerSettings
@@ -365,16 +366,7 @@ class Engine:
         if engine is None:
             return
         _LIVE_IN_PROCESS.discard(self)
-        if self.cfg.engine_process == "in_process" and _LIVE_IN_PROCESS:
-            # vLLM's EngineCore.shutdown() (also run by its finalizer when the client is
-            # collected) tears down the process-wide distributed state that the other
-            # in-process engines still use: detach it and stop only this engine.
-            client = engine.llm_engine.engine_core
-            client._finalizer.detach()
-            client.engine_core.model_executor.shutdown()
-            client.engine_core.scheduler.shutdown()
-        else:
-            engine.llm_engine.engine_core.shutdown()
+        stop_engine(engine, others_alive=bool(_LIVE_IN_PROCESS))
         del self.llm
 
 
