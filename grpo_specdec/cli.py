@@ -212,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
         "profile", help="measure step latency vs tokens per step; fit the roofline"
     )
     prof.add_argument("--model", required=True)
-    prof.add_argument("--draft", default=None, help="EAGLE head (needed to time steps with drafts)")
+    prof.add_argument(
+        "--draft", required=True, help="EAGLE head: steps with k drafts are what is timed"
+    )
     prof.add_argument("--out", required=True, help="PROFILE.json (also saved to the profile store)")
     prof.add_argument("--plot", default=None, help="PNG of T(n) with its knee")
     prof.add_argument("--dtype", default="auto")

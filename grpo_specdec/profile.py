@@ -18,7 +18,7 @@ import numpy as np
 from pydantic import Field
 
 from grpo_specdec.config import StrictModel
-from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+from grpo_specdec.engine import Dtype, Engine, EngineConfig, SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
 from vllm_plugin.controller import FixedPolicy, LatencyModel, fit_latency
 from vllm_plugin.settings import profile_key, store_path
@@ -26,8 +26,8 @@ from vllm_plugin.settings import profile_key, store_path
 
 class ProfileConfig(StrictModel):
     model: str
-    draft: str | None = None
-    dtype: str = "auto"
+    draft: str = Field(description="EAGLE head: steps with k drafts per sequence are timed")
+    dtype: Dtype = "auto"
     k_max: int = Field(4, ge=1, le=16)
     batch_sizes: list[int] = [1, 2, 4, 8, 16, 32, 64]
     steps: int = Field(16, ge=4, description="decode steps timed per (B, k)")
@@ -54,15 +54,6 @@ def _time_steps(engine: Engine, prompts: list[str], batch: int, k: int, steps: i
 
 
 def measure(cfg: ProfileConfig, log=print) -> list[dict]:
-    spec = None
-    if cfg.draft:
-        # The fixed policy lets the profile set k per run; k = 0 turns drafting off.
-        spec = {
-            "draft": cfg.draft,
-            "k": cfg.k_max,
-            "concurrency_aware": True,
-            "controller": {"policy": "fixed", "fixed_k": cfg.k_max},
-        }
     max_batch = max(cfg.batch_sizes)
     engine = Engine(
         EngineConfig(
@@ -71,14 +62,16 @@ def measure(cfg: ProfileConfig, log=print) -> list[dict]:
             max_model_len=cfg.max_model_len,
             max_num_seqs=max_batch,
             enforce_eager=cfg.enforce_eager,
-            speculative=spec,
+            # The fixed policy lets the profile set k per run; k = 0 turns drafting off.
+            speculative={
+                "draft": cfg.draft,
+                "k": cfg.k_max,
+                "concurrency_aware": True,
+                "controller": {"policy": "fixed", "fixed_k": cfg.k_max},
+            },
         )
     )
     try:
-        if spec is None:
-            raise ValueError(
-                "profile needs --draft: decode steps with k drafts per sequence are what it times"
-            )
         prompts = [p.question for p in make_problems(max_batch, seed=1, level=2)]
         _time_steps(engine, prompts, max_batch, cfg.k_max, 4)  # warm up every code path
         rows = []
@@ -106,13 +99,8 @@ def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
     latency, rms = fit_latency(
         [r["batch"] for r in rows], [r["k"] for r in rows], [r["ms"] for r in rows]
     )
-    dtype = (
-        cfg.dtype
-        if cfg.dtype != "auto"
-        else json.loads((Path(cfg.model) / "config.json").read_text()).get("dtype", "auto")
-    )
     return {
-        "key": profile_key(cfg.model, dtype, cfg.draft),
+        "key": profile_key(cfg.model, cfg.dtype, cfg.draft),
         "latency": latency.to_dict(),
         "fit_rms_ms": rms,
         "measurements": rows,

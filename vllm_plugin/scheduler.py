@@ -69,7 +69,7 @@ def load_latency(settings: ControllerSettings, vllm_config) -> LatencyModel:
     spec = vllm_config.speculative_config
     key = profile_key(
         vllm_config.model_config.model,
-        str(vllm_config.model_config.dtype),
+        vllm_config.model_config.dtype,
         spec.model if spec else None,
     )
     path = Path(settings.profile) if settings.profile else store_path(key)

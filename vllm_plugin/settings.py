@@ -61,13 +61,26 @@ def hardware_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def profile_key(model: str, dtype: str, draft: str | None) -> dict:
+def profile_key(model: str, dtype, draft: str | None) -> dict:
+    """What a latency profile is stored under. `dtype` may be as asked ("auto" too) or
+    as vLLM chose it: the key holds the dtype the engine runs in, either way."""
     return {
         "model": str(Path(model).resolve()) if Path(model).exists() else model,
-        "dtype": dtype.removeprefix("torch."),
+        "dtype": engine_dtype(model, dtype),
         "draft_arch": _draft_arch(draft),
         "hardware": hardware_name(),
     }
+
+
+def engine_dtype(model: str, dtype) -> str:
+    """The dtype vLLM runs `model` in when asked for `dtype` (a name or a torch dtype).
+    For "auto" only vLLM knows: it weighs the checkpoint's dtype against the platform's
+    (x86 CPUs run float32 checkpoints in bfloat16), so it is asked."""
+    if str(dtype) == "auto":
+        from vllm.config import ModelConfig
+
+        dtype = ModelConfig(model=model, dtype="auto").dtype
+    return str(dtype).removeprefix("torch.")
 
 
 def _draft_arch(draft: str | None) -> str | None:

@@ -1,0 +1,53 @@
+"""`grpo-specdec profile`: its input checks and where the scheduler finds what it saves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from grpo_specdec import profile
+from grpo_specdec.cli import build_parser
+from grpo_specdec.engine import Engine
+from tests.conftest import run_cli, tiny_engine_config
+
+
+def test_profile_without_a_draft_fails_before_any_engine(tiny_target, tmp_path):
+    out = tmp_path / "profile.json"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["profile", "--model", tiny_target, "--out", str(out)])
+    with pytest.raises(ValidationError, match="draft"):
+        profile.ProfileConfig(model=tiny_target)
+    proc = run_cli("profile", "--model", tiny_target, "--out", str(out), check=False)
+    assert proc.returncode == 2 and "required: --draft" in proc.stderr
+    assert "vllm" not in proc.stderr.lower()  # vLLM was not even imported
+
+
+def test_scheduler_finds_the_profile_saved_for_dtype_auto(
+    tiny_target, tiny_draft, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # an empty profile store
+    rows = [
+        {"batch": b, "k": k, "tokens": b * (k + 1), "ms": 5.0 + b * (k + 1) + k, "samples": 4}
+        for b in (1, 2, 4)
+        for k in (0, 1, 2)
+    ]
+    monkeypatch.setattr(profile, "measure", lambda cfg, log: rows)  # no timing needed
+    cfg = profile.ProfileConfig(model=tiny_target, draft=tiny_draft, dtype="auto")
+    profile.run_profile(cfg, tmp_path / "profile.json", log=lambda msg: None)
+    # A goodput engine given no profile looks it up in the store as it starts.
+    engine = Engine(
+        tiny_engine_config(
+            tiny_target,
+            dtype="auto",
+            max_num_seqs=8,
+            speculative={"draft": tiny_draft, "k": 2, "concurrency_aware": True},
+        )
+    )
+    try:
+        assert engine.scheduler().policy.latency.c_peak == pytest.approx(
+            json.loads((tmp_path / "profile.json").read_text())["latency"]["c_peak"]
+        )
+    finally:
+        engine.shutdown()
