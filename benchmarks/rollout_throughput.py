@@ -7,7 +7,8 @@ Two workloads: fixed concurrency B (each request exactly --tokens tokens, greedy
 GRPO-shaped rollout (P prompts x G samples, temperature 1, natural stop, so concurrency
 decays as sequences finish). One speculative engine serves every speculative
 configuration (the scheduler's k source is switched between runs); a plain engine with
-no draft is the baseline. Configurations are interleaved and repeated.
+no draft is the baseline. Configurations are interleaved and repeated; each keeps its
+own acceptance estimator and starts every run from an empty prefix cache.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,7 @@ from benchmarks.common import (
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
 from vllm_plugin.controller import (
+    AcceptanceEstimator,
     FixedPolicy,
     FrozenAcceptance,
     GoodputPolicy,
@@ -58,6 +61,16 @@ def static_table(latency: LatencyModel, conditional, k_max: int, max_batch: int)
     return ranges
 
 
+@dataclass
+class Config:
+    """One compared configuration: its engine and, on the speculative engine, where k
+    comes from and the acceptance estimator that only this configuration's runs feed."""
+
+    engine: Engine
+    policy: object = None  # a Policy, or vLLM's dense batch-size -> k list
+    acceptance: AcceptanceEstimator | None = None
+
+
 def run(engine: Engine, prompts: list[str], sampling: SamplingSettings) -> dict:
     res = engine.generate(prompts, sampling)
     return {
@@ -65,6 +78,20 @@ def run(engine: Engine, prompts: list[str], sampling: SamplingSettings) -> dict:
         "tokens": res.num_generated_tokens,
         "mean_acceptance_length": res.spec["mean_acceptance_length"],
     }
+
+
+def run_config(config: Config, prompts: list[str], sampling: SamplingSettings) -> dict:
+    """One run from this configuration's own state: its policy and estimator in the
+    scheduler, and an empty prefix cache (no run reuses another's prefill)."""
+    config.engine.llm.reset_prefix_cache()
+    if config.policy is None:
+        return run(config.engine, prompts, sampling)
+    scheduler = config.engine.scheduler()
+    scheduler.set_policy(config.policy, config.acceptance)
+    mark = scheduler.steps_scheduled
+    out = run(config.engine, prompts, sampling)
+    out["trace"] = [(t, b, k) for t, b, k, _ in scheduler.steps_since(mark)]
+    return out
 
 
 def main() -> None:
@@ -107,7 +134,6 @@ def main() -> None:
         )
     )
     scheduler = spec.scheduler()
-    ours = scheduler.policy
 
     questions = [p.question for p in make_problems(max_batch, seed=7, level=2)]
     grpo_prompts = [p.question for p in make_problems(args.prompts, seed=11, level=2)]
@@ -120,40 +146,35 @@ def main() -> None:
     table = static_table(latency, conditional, args.k_max, max_batch)
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
-    configs = {
-        "no spec": None,
-        **{f"k={k}": FixedPolicy(k) for k in range(1, args.k_max + 1)},
-        "static table": build_dynamic_sd_schedule_lookup(table, max_batch, args.k_max),
-        "paper rule": PaperPolicy(latency.c_peak, args.k_max),
-        "ours": ours,
-    }
+    def on_spec(policy, acceptance=None) -> Config:
+        return Config(spec, policy, acceptance or scheduler.new_acceptance())
 
-    def run_config(name, prompts, sampling):
-        if configs[name] is None:
-            return run(plain, prompts, sampling)
-        scheduler.set_policy(configs[name])
-        start = len(scheduler.step_trace)
-        out = run(spec, prompts, sampling)
-        out["trace"] = [(t, b, k) for t, b, k, _ in list(scheduler.step_trace)[start:]]
-        return out
+    ours = scheduler.new_acceptance()
+    configs = {
+        "no spec": Config(plain),
+        **{f"k={k}": on_spec(FixedPolicy(k)) for k in range(1, args.k_max + 1)},
+        "static table": on_spec(build_dynamic_sd_schedule_lookup(table, max_batch, args.k_max)),
+        "paper rule": on_spec(PaperPolicy(latency.c_peak, args.k_max)),
+        "ours": on_spec(GoodputPolicy(latency, ours, max_batch), ours),
+    }
 
     fixed: dict[str, dict[int, list[dict]]] = {n: {b: [] for b in batch_sizes} for n in configs}
     grpo: dict[str, list[dict]] = {n: [] for n in configs}
     for rep in range(args.repeats):
-        for name in configs:  # warm both engines and the estimator before timing
+        for config in configs.values():  # warm both engines and each estimator before timing
             if rep == 0:
-                run_config(name, questions[:4], SamplingSettings(max_tokens=8, ignore_eos=True))
+                run_config(config, questions[:4], SamplingSettings(max_tokens=8, ignore_eos=True))
         for b in batch_sizes:
-            for name in configs:
+            for name, config in configs.items():
                 fixed[name][b].append(
                     run_config(
-                        name,
+                        config,
                         questions[:b],
                         SamplingSettings(max_tokens=args.tokens, ignore_eos=True),
                     )
                 )
-        for name in configs:
-            grpo[name].append(run_config(name, grpo_prompts, grpo_sampling))
+        for name, config in configs.items():
+            grpo[name].append(run_config(config, grpo_prompts, grpo_sampling))
         print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
     plain.shutdown()
     spec.shutdown()

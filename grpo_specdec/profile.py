@@ -39,13 +39,13 @@ def _time_steps(engine: Engine, prompts: list[str], batch: int, k: int, steps: i
     """Milliseconds of each decode-only step with exactly `batch` running and `k` drafted."""
     scheduler = engine.scheduler()
     scheduler.set_policy(FixedPolicy(k))
-    start = len(scheduler.step_trace)
+    mark = scheduler.steps_scheduled
     # Enough tokens for `steps` decode steps even if every draft is accepted, plus a few
     # for prefill and the first step, whose draft length differs.
     engine.generate(
         prompts[:batch], SamplingSettings(max_tokens=(steps + 4) * (k + 1), ignore_eos=True)
     )
-    trace = list(scheduler.step_trace)[start:]
+    trace = scheduler.steps_since(mark)
     return [
         1000 * (after[0] - before[0])
         for before, after in zip(trace, trace[1:])

@@ -9,7 +9,7 @@ import pytest
 
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import tiny_engine_config
-from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
+from vllm_plugin.controller import FixedPolicy, HingeLatency, LatencyModel, LinearCost
 from vllm_plugin.scheduler import K_METRIC, k_histogram, recent
 
 # A roofline whose knee sits at 8 tokens: deep drafts pay at B=1, none at B>=16.
@@ -90,6 +90,23 @@ def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, qu
     assert [list(o.outputs[0].token_ids) for o in out] == [
         list(o.outputs[0].token_ids) for o in plain
     ]
+
+
+def test_policies_compared_on_one_engine_learn_into_their_own_estimators(aware_engine, questions):
+    scheduler = aware_engine.scheduler()
+    started_with = scheduler.policy, scheduler.acceptance
+    first, second = scheduler.new_acceptance(), scheduler.new_acceptance()
+    prompts, sampling = _fixed_length(2, questions, tokens=16)
+    try:
+        scheduler.set_policy(FixedPolicy(2), first)
+        aware_engine.generate(prompts, sampling)
+        learnt = first.tried.copy()
+        scheduler.set_policy(FixedPolicy(2), second)
+        aware_engine.generate(prompts, sampling)
+    finally:
+        scheduler.set_policy(*started_with)
+    assert learnt.any() and (first.tried == learnt).all()  # not fed by the second run
+    assert second.tried.any()
 
 
 def test_steps_since_a_mark_stay_right_once_the_trace_is_full():

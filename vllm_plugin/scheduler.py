@@ -117,11 +117,7 @@ class ConcurrencyAwareMixin:
                 "whose num_speculative_tokens is the largest k to draft"
             )
         self.controller_settings = ControllerSettings.from_env()
-        self.acceptance = AcceptanceEstimator(
-            self.num_spec_tokens,
-            prior=self.controller_settings.acceptance_prior,
-            decay=self.controller_settings.acceptance_decay,
-        )
+        self.acceptance = self.new_acceptance()
         self.set_policy(build_policy(self.controller_settings, self.acceptance, self.vllm_config))
         # (monotonic time, running requests, k, decode-only step), one per step.
         self.step_trace: deque = deque(maxlen=self.controller_settings.trace_steps)
@@ -140,10 +136,24 @@ class ConcurrencyAwareMixin:
         (the newest ones the trace still holds, if more steps ran than it keeps)."""
         return recent(self.step_trace, self.steps_scheduled - mark)
 
-    def set_policy(self, policy: Policy | list[int]) -> None:
+    def new_acceptance(self) -> AcceptanceEstimator:
+        """An acceptance estimator at the configured prior, with no evidence yet."""
+        return AcceptanceEstimator(
+            self.num_spec_tokens,
+            prior=self.controller_settings.acceptance_prior,
+            decay=self.controller_settings.acceptance_decay,
+        )
+
+    def set_policy(
+        self, policy: Policy | list[int], acceptance: AcceptanceEstimator | None = None
+    ) -> None:
         """Change where k comes from, at run time: a policy, or a dense batch-size -> k
-        list exactly as vLLM builds from `num_speculative_tokens_per_batch_size`."""
+        list exactly as vLLM builds from `num_speculative_tokens_per_batch_size`. With
+        `acceptance`, that estimator learns from the steps from now on (so policies
+        compared on one engine need not share what they learnt)."""
         self.policy = policy
+        if acceptance is not None:
+            self.acceptance = acceptance
         self.dynamic_sd_lookup = policy if isinstance(policy, list) else _PolicyLookup(policy)
 
     def schedule(self, *args, **kwargs):

@@ -1,0 +1,69 @@
+"""Runs measured from the scheduler's step trace stay right once that bounded trace is
+full, and each benchmarked configuration runs from its own state (no vLLM engine)."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+from benchmarks.rollout_throughput import Config, run_config
+from grpo_specdec.profile import _time_steps
+from vllm_plugin.controller import AcceptanceEstimator, FixedPolicy
+from vllm_plugin.scheduler import ConcurrencyAwareMixin
+
+
+class FakeScheduler(ConcurrencyAwareMixin):
+    """The plugin's bookkeeping over a trace that is already full."""
+
+    def __init__(self, trace_steps: int = 8):
+        self.step_trace = deque([(0.0, 0, 0, False)] * trace_steps, maxlen=trace_steps)
+        self.steps_scheduled = 1000
+        self.acceptance = AcceptanceEstimator(4)
+        self.set_policy(FixedPolicy(0))
+
+
+class FakeEngine:
+    """Generates in decode-only steps of 2 ms, one record per step, drafting k from the
+    scheduler's policy; one accepted draft token per step feeds the scheduler's estimator."""
+
+    def __init__(self):
+        self.sched = FakeScheduler()
+        self.prefix_cache_resets = 0
+        self.llm = SimpleNamespace(reset_prefix_cache=self._reset)
+        self.clock = 0.0
+
+    def _reset(self):
+        self.prefix_cache_resets += 1
+
+    def scheduler(self):
+        return self.sched
+
+    def generate(self, prompts, sampling):
+        batch, k = len(prompts), self.sched.dynamic_sd_lookup[len(prompts)]
+        for _ in range(5):
+            self.clock += 0.002
+            self.sched.step_trace.append((self.clock, batch, k, True))
+            self.sched.steps_scheduled += 1
+            if k:
+                self.sched.acceptance.observe(k, 1)
+        return SimpleNamespace(
+            wall_s=0.01, num_generated_tokens=5, spec={"mean_acceptance_length": 2.0}
+        )
+
+
+def test_profile_times_the_steps_of_its_run_in_a_full_trace():
+    ms = _time_steps(FakeEngine(), ["q"] * 3, batch=3, k=2, steps=16)
+    assert len(ms) == 4 and all(abs(m - 2.0) < 1e-6 for m in ms)
+
+
+def test_benchmark_configurations_keep_their_own_state():
+    engine = FakeEngine()
+    ours, other = AcceptanceEstimator(4), AcceptanceEstimator(4)
+    out = run_config(Config(engine, FixedPolicy(3), ours), ["q"] * 2, None)
+    assert [(b, k) for _, b, k in out["trace"]] == [(2, 3)] * 5  # this run's steps only
+    learnt = ours.tried.copy()
+    assert learnt.any()
+    run_config(Config(engine, FixedPolicy(1), other), ["q"] * 2, None)
+    assert (ours.tried == learnt).all() and other.tried.any()  # nothing learnt across
+    run_config(Config(engine), ["q"], None)  # the plain engine's runs start clean as well
+    assert engine.prefix_cache_resets == 3
