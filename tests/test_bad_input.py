@@ -53,3 +53,12 @@ def test_draft_for_another_vocabulary(tiny_target, tiny_draft, tmp_path):
     proc = _generate("--model", tiny_target, "--draft", str(bad), "--prompts", str(prompts))
     assert proc.returncode == 2
     assert "vocab_size=49152" in proc.stderr
+
+
+def test_context_longer_than_the_model_allows(tiny_target, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    proc = _generate("--model", tiny_target, "--prompts", str(prompts), "--max-model-len", "4096")
+    assert proc.returncode == 2
+    assert "max_model_len=4096 exceeds" in proc.stderr and "allows 1024 tokens" in proc.stderr
+    assert "Traceback" not in proc.stderr
