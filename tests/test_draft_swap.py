@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from grpo_specdec.draft.head import load_head, new_head
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import tiny_engine_config
+from vllm_plugin.manifest import MixedWeightsError
 
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=40)
 
@@ -200,6 +201,80 @@ def test_swap_with_engine_in_its_own_process(tiny_target, random_draft, trained_
         engine.shutdown()
     assert [g[0].token_ids for g in before.outputs] == [g[0].token_ids for g in after.outputs]
     assert after.spec["mean_acceptance_length"] > before.spec["mean_acceptance_length"] + 0.5
+
+
+# ---- an engine of its own, for states the shared engines must never get into -------------
+
+
+@pytest.fixture(scope="module")
+def private_engine(tiny_target, random_draft):
+    engine = Engine(tiny_engine_config(tiny_target, random_draft))
+    yield engine
+    engine.shutdown()
+
+
+def test_engine_reports_the_declared_versions_of_the_weights_it_starts_from(private_engine):
+    assert private_engine.weight_versions() == {"policy": 0, "draft": 0}
+    private_engine.declare_weight_versions({"policy": 4, "draft": 9})
+    assert private_engine.weight_versions() == {"policy": 4, "draft": 9}
+    with pytest.raises(Exception, match=r"unknown weight roles \['critic'\]"):
+        private_engine.declare_weight_versions({"critic": 1})
+
+
+def _fail_next_two_draft_loads(worker):
+    """Runs in the worker: the next draft load stops halfway, and so does the restore after it."""
+    model = worker.get_draft_model()
+    original = model.load_weights
+    failures = []
+
+    def broken(weights):
+        weights = list(weights)
+        original(weights[: len(weights) // 2])
+        failures.append(len(failures) + 1)
+        if len(failures) == 2:
+            model.load_weights = original
+        raise RuntimeError(f"simulated load failure {failures[-1]}")
+
+    model.load_weights = broken
+
+
+def test_failed_restore_refuses_generation_until_that_role_swaps_whole(
+    private_engine, plain_engine, trained_head, hf_target, questions
+):
+    engine = private_engine
+    version = engine.weight_versions()["draft"]
+    draft = trained_head.export_state_dict(torch.float32)
+    engine.llm.collective_rpc(_fail_next_two_draft_loads)
+    with pytest.raises(
+        MixedWeightsError,
+        match=rf"loading draft version {version + 1} failed \(RuntimeError: simulated load "
+        rf"failure 1\), and restoring version {version} failed too \(RuntimeError: simulated "
+        r"load failure 2\)",
+    ):
+        engine.swap_weights("draft", draft, version=version + 1)
+    refusal = "refusing to generate: the draft weights may be a mix"
+    with pytest.raises(MixedWeightsError, match=refusal):
+        engine.generate(questions, GREEDY)
+    # A policy that loads whole does not make the draft whole.
+    policy = {k: v for k, v in hf_target.state_dict().items() if k != "lm_head.weight"}
+    engine.swap_weights("policy", policy, version=5)
+    with pytest.raises(MixedWeightsError, match=refusal):
+        engine.generate(questions, GREEDY)
+    engine.swap_weights("draft", draft, version=version + 2)
+    assert engine.weight_versions() == {"policy": 5, "draft": version + 2}
+    after = engine.generate(questions, GREEDY)
+    plain = plain_engine.generate(questions, GREEDY)
+    assert [g[0].token_ids for g in after.outputs] == [g[0].token_ids for g in plain.outputs]
+    assert after.spec["mean_acceptance_length"] > 1.5  # the trained head drafts again
+
+    # A restore that succeeds loads a whole set too.
+    engine.llm.collective_rpc(_fail_next_two_draft_loads)
+    with pytest.raises(MixedWeightsError):
+        engine.swap_weights("draft", draft, version=version + 3)
+    engine.llm.collective_rpc(_fail_halfway)
+    with pytest.raises(Exception, match=f"restored version {version + 2}"):
+        engine.swap_weights("draft", draft, version=version + 4)
+    assert engine.generate(questions, GREEDY).spec == after.spec
 
 
 # ---- the reduced-vocabulary head (vLLM's EAGLE-3 format with a d2t map) -----------------

@@ -34,6 +34,11 @@ class WeightSwapError(ValueError):
     """A rejected swap. The engine still serves the weights it had before."""
 
 
+class MixedWeightsError(RuntimeError):
+    """A swap failed and so did reloading the last good weights: that role's weights may
+    be a mix, and the engine refuses to generate until a swap of that role succeeds."""
+
+
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:

@@ -9,7 +9,9 @@ Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` ...
 `finalize_layerwise_reload`), the same lifecycle its weight-transfer engines use; it
 re-runs each layer's post-load processing, which matters on CPU where linear weights
 are repacked after loading. If loading fails partway, the last good weights (a file
-kept by the caller) are loaded again, so the engine never serves a mix.
+kept by the caller) are loaded again, so the engine never serves a mix; if that fails
+too, the role is marked mixed and the engine refuses to generate until a load of that
+role succeeds.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors.torch import load_file
 
 from vllm_plugin.manifest import (
     Manifest,
+    MixedWeightsError,
     WeightSwapError,
     checkpoint_files,
     read_manifest,
@@ -39,7 +42,13 @@ class WeightSwapExtension:
     def _grpo_state(self) -> dict:
         state = getattr(self, "_grpo_swap_state", None)
         if state is None:
-            state = {"versions": {r: 0 for r in ROLES}, "manifests": {}, "last_good": {}}
+            # mixed: role -> why its weights may be a mix (a failed load, then a failed restore)
+            state = {
+                "versions": {r: 0 for r in ROLES},
+                "manifests": {},
+                "last_good": {},
+                "mixed": {},
+            }
             self._grpo_swap_state = state
         return state
 
@@ -92,17 +101,45 @@ class WeightSwapExtension:
         try:
             self._grpo_load(role, weights)
         except Exception as err:
+            failure = f"loading {role} version {version} failed ({type(err).__name__}: {err})"
+            self._grpo_restore(role, failure)
+            raise WeightSwapError(f"{failure}; restored version {state['versions'][role]}") from err
+        state["versions"][role] = version
+        state["last_good"][role] = [path]
+        state["mixed"].pop(role, None)
+        return {"version": version, "validate_s": t1 - t0, "load_s": time.perf_counter() - t1}
+
+    def _grpo_restore(self, role: str, failure: str) -> None:
+        """Reload the last good `role` weights after `failure`. If that fails as well, part
+        of the model may hold new weights and part old: mark the role mixed and say so."""
+        state = self._grpo_state()
+        try:
             previous = {}
             for f in state["last_good"][role]:
                 previous.update(load_file(f))
             self._grpo_load(role, previous)
-            raise WeightSwapError(
-                f"loading {role} version {version} failed ({type(err).__name__}: {err}); "
-                f"restored version {state['versions'][role]}"
+        except Exception as err:
+            state["mixed"][role] = (
+                f"{failure}, and restoring version {state['versions'][role]} failed too "
+                f"({type(err).__name__}: {err})"
+            )
+            raise MixedWeightsError(
+                f"{state['mixed'][role]}; the {role} weights may be a mix, so the engine "
+                f"refuses to generate until a {role} swap succeeds"
             ) from err
-        state["versions"][role] = version
-        state["last_good"][role] = [path]
-        return {"version": version, "validate_s": t1 - t0, "load_s": time.perf_counter() - t1}
+        state["mixed"].pop(role, None)
+
+    def grpo_declare_weight_versions(self, versions: dict[str, int]) -> None:
+        """The versions of the weights the engine was started from (e.g. a checkpoint's),
+        reported until the first swap of each role."""
+        unknown = sorted(set(versions) - set(ROLES))
+        if unknown:
+            raise WeightSwapError(f"unknown weight roles {unknown}; expected some of {ROLES}")
+        self._grpo_state()["versions"].update(versions)
+
+    def grpo_mixed_weights(self) -> dict[str, str]:
+        """Role -> why its weights may be a mix; empty while every role holds a whole set."""
+        return dict(self._grpo_state()["mixed"])
 
     def grpo_weight_versions(self) -> dict[str, int]:
         return dict(self._grpo_state()["versions"])
