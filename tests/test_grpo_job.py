@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -115,3 +116,44 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     assert step_at(final) == steps and step_at(final) >= step_at(opt_at_2)
     state = json.loads((out / "checkpoints" / "iter_000004" / "state.json").read_text())
     assert state["iteration"] == 4 and state["cursor"] == 4 * 4
+
+
+def test_resumed_engine_reports_the_checkpoint_weight_versions(
+    tiny_target, tiny_draft, job_profile, tmp_path, monkeypatch
+):
+    import ray
+
+    from grpo_specdec.job import run
+
+    out = tmp_path / "run"
+    cfg = load_yaml(
+        TrainConfig, CONFIG, job_overrides(tiny_target, tiny_draft, job_profile, out, 1)
+    )
+    # Rewards that differ within every group: iteration 1 updates the policy.
+    flips = itertools.count()
+    monkeypatch.setattr(run, "reward", lambda *_: float(next(flips) % 2))
+    job = run.Job(cfg)
+    try:
+        job.run()
+    finally:
+        job.shutdown()
+    ckpt = out / "checkpoints" / "iter_000001"
+    saved = {
+        role: torch.load(ckpt / f"{role}_state.pt", weights_only=True)["version"]
+        for role in ("policy", "draft")
+    }
+    assert saved == {"policy": 1, "draft": 1}
+
+    # Equal rewards: iteration 2 leaves the policy as it is, so no swap renumbers it.
+    monkeypatch.setattr(run, "reward", lambda *_: 0.0)
+    cfg.iterations = 2
+    job = run.Job(cfg, resume=str(out))
+    try:
+        assert ray.get(job.rollout.versions.remote()) == saved
+        job.run()
+    finally:
+        job.shutdown()
+    record = job_records(out)[-1]
+    assert record["iteration"] == 2 and record["policy_steps"] == 0
+    assert record["engine_policy_version"] == 1 and record["engine_draft_version"] == 2
+    assert record["draft_trained_on_policy"] == 1 and record["draft_policy_lag"] == 0

@@ -39,8 +39,11 @@ class Rollout:
 
 
 class RolloutWorker:
-    def __init__(self, engine_cfg: dict):
+    def __init__(self, engine_cfg: dict, weight_versions: dict[str, int]):
+        """`weight_versions`: the learners' versions of the weights the engine starts from
+        (a checkpoint's, after a resume), so later swaps and lags count on from them."""
         self.engine = Engine(EngineConfig.model_validate(engine_cfg))
+        self.engine.declare_weight_versions(weight_versions)
 
     def rollout(self, prompts: list[str], sampling: dict) -> Rollout:
         scheduler = self._aware_scheduler()
@@ -263,6 +266,9 @@ class PolicyLearner:
         self.opt.load_state_dict(state["opt"])
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
+
+    def status(self) -> dict:
+        return {"version": self.version}
 
     def generate_greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         self.model.eval()

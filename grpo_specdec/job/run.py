@@ -127,7 +127,12 @@ class Job:
             ray.get(self.policy.load.remote(ckpt))
         self._ensure_profile(draft_dir)
         self._engine_cfg = self._engine_config(policy_dir, draft_dir)
-        self.rollout = Rollout.remote(self._engine_cfg)
+        # The engine starts from the weights the learners hold now: it reports their versions.
+        learners = {"policy": self.policy, "draft": self.draft}
+        learners = {role: a for role, a in learners.items() if a is not None}
+        status = ray.get([a.status.remote() for a in learners.values()])
+        versions = {role: s["version"] for role, s in zip(learners, status, strict=True)}
+        self.rollout = Rollout.remote(self._engine_cfg, versions)
         # Start-up (model loads, engine compile) must not count in the first iteration's times.
         ray.get(
             [
