@@ -27,7 +27,7 @@ from grpo_specdec.job.roles import PolicyBatch
 from grpo_specdec.runtime import runtime_env, worker_cpus_env
 from grpo_specdec.tasks.datasets import ArithmeticSource, JsonlSource
 from grpo_specdec.tasks.rewards import reward
-from vllm_plugin.manifest import read_manifest
+from vllm_plugin.manifest import MixedWeightsError, read_manifest
 from vllm_plugin.settings import profile_key, store_path
 
 
@@ -304,6 +304,8 @@ class Job:
                 )
                 draft_stats["draft_trained_on_policy"] = trained_on
             except ray.exceptions.RayTaskError as err:
+                if isinstance(err.cause, MixedWeightsError):
+                    raise  # the engine refuses to generate until a draft loads whole
                 # The engine rejected or undid the swap and still serves its previous
                 # draft; rollouts stay correct (speculation is lossless), only slower.
                 draft_stats["draft_swap_error"] = str(err.cause if err.cause else err).splitlines()[
@@ -350,8 +352,9 @@ class Job:
 
     def _sync_policy(self, version: int) -> dict:
         """Policy weights must reach the engine, or rollouts would come from a stale
-        policy: a failed sync stops the job with the reason (the engine keeps serving
-        the previous complete weights, and the last checkpoint is intact)."""
+        policy: a failed sync stops the job with the reason, which says what the engine
+        holds now (the previous weights, or, if restoring them failed too, a mix it
+        refuses to generate from); the last checkpoint is intact."""
         weights = self.policy.export_weights.remote(self.weight_dtype)
         try:
             return ray.get(self.rollout.load_weights.remote("policy", weights, version))
@@ -359,8 +362,7 @@ class Job:
             cause = str(err.cause if err.cause else err).splitlines()[0]
             raise RuntimeError(
                 f"iteration {self.iteration + 1}: policy weight sync (version {version}) failed: {cause}. "
-                f"The engine still serves the previous policy; stopping. Resume from {self.ckpts} "
-                "once the cause is fixed."
+                f"Stopping; resume from {self.ckpts} once the cause is fixed."
             ) from err
 
     def _finish_draft(self, job, data, restart_timeout_s: float = 300.0) -> dict:

@@ -18,6 +18,7 @@ from grpo_specdec.job.checkpoints import check_checkpoint, latest_checkpoint
 from grpo_specdec.job.config import TrainConfig
 from tests.conftest import ROOT, job_overrides, job_records, run_cli
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
+from vllm_plugin.manifest import MixedWeightsError
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,18 @@ def _break_next_swap(role):
         engine.swap_weights = failing
 
     return install
+
+
+def _break_draft_loads(worker):
+    """Runs in the rollout actor: every draft load in its engine fails from now on."""
+
+    def failing_load(vllm_worker):
+        def load_weights(weights):
+            raise RuntimeError("injected draft load failure")
+
+        vllm_worker.get_draft_model().load_weights = load_weights
+
+    worker.engine.llm.collective_rpc(failing_load)
 
 
 def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job_profile, tmp_path):
@@ -90,6 +103,18 @@ def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job
         with pytest.raises(
             RuntimeError, match="policy weight sync .* failed: .*injected policy swap failure"
         ):
+            job.run()
+
+        # A draft swap whose restore fails too stops the job naming both failures; the
+        # engine, whose draft may be a mix, refuses to generate.
+        ray.get(job.rollout.__ray_call__.remote(_break_draft_loads))
+        with pytest.raises(
+            MixedWeightsError,
+            match=r"loading draft version \d+ failed \(RuntimeError: injected draft load failure\), "
+            r"and restoring version \d+ failed too \(RuntimeError: injected draft load failure\)",
+        ):
+            job.run()
+        with pytest.raises(MixedWeightsError, match="refusing to generate: the draft weights"):
             job.run()
     finally:
         job.shutdown()
