@@ -434,6 +434,8 @@ class Job:
                 self._restart(
                     f"iteration {self.iteration + 1}: an actor died ({type(err).__name__})"
                 )
+                # The iterations since the checkpoint run again: keep each record once.
+                records = [r for r in records if r["iteration"] <= self.iteration]
                 bar.n = self.iteration
                 bar.refresh()
                 continue

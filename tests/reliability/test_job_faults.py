@@ -44,6 +44,19 @@ def _break_next_swap(role):
     return install
 
 
+def _kill_rollout_before(job, iteration):
+    """The rollout worker dies as `iteration` starts."""
+    step = job.step
+
+    def kill_then_step():
+        if job.iteration + 1 == iteration:
+            job.step = step
+            ray.kill(job.rollout, no_restart=True)
+        return step()
+
+    job.step = kill_then_step
+
+
 def _break_draft_loads(worker):
     """Runs in the rollout actor: every draft load in its engine fails from now on."""
 
@@ -68,22 +81,24 @@ def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job
     try:
         job.run()  # iteration 1, checkpoint 1
 
-        # A dead rollout worker: every role restarts from checkpoint 1, iteration 2 reruns.
-        ray.kill(job.rollout, no_restart=True)
-        job.cfg.iterations = 2
-        job.run()
+        # The rollout worker dies in iteration 3, after an iteration without a checkpoint:
+        # every role restarts from checkpoint 1 and iterations 2 and 3 run again; each is
+        # returned (and recorded) once.
+        job.cfg.checkpoint_every, job.cfg.iterations = 10, 3
+        _kill_rollout_before(job, 3)
+        assert [r["iteration"] for r in job.run()] == [2, 3]
         assert any("an actor died" in line and "iter_000001" in line for line in log)
 
-        # A dead policy learner: the same, from checkpoint 2.
+        # A dead policy learner: the same, from checkpoint 3 (a run's last iteration checkpoints).
         ray.kill(job.policy, no_restart=True)
-        job.cfg.iterations = 3
+        job.cfg.iterations = 4
         job.run()
-        assert any("an actor died" in line and "iter_000002" in line for line in log)
+        assert any("an actor died" in line and "iter_000003" in line for line in log)
 
         # The draft learner diverges: its update is rolled back, the engine keeps its draft.
         served = ray.get(job.rollout.versions.remote())["draft"]
         ray.get(job.draft.__ray_call__.remote(_poison_head))
-        job.cfg.iterations = 4
+        job.cfg.iterations = 5
         job.run()
         rec = job_records(out)[-1]
         assert rec["draft_rolled_back"] and rec["draft_steps"] == 0
@@ -91,7 +106,7 @@ def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job
 
         # A draft swap that fails inside the worker: reported, the old draft keeps serving.
         ray.get(job.rollout.__ray_call__.remote(_break_next_swap("draft")))
-        job.cfg.iterations = 5
+        job.cfg.iterations = 6
         job.run()
         rec = job_records(out)[-1]
         assert "injected draft swap failure" in rec["draft_swap_error"]
@@ -99,7 +114,7 @@ def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job
 
         # A failed policy sync stops the job with a clear error.
         ray.get(job.rollout.__ray_call__.remote(_break_next_swap("policy")))
-        job.cfg.iterations = 8
+        job.cfg.iterations = 9
         with pytest.raises(
             RuntimeError, match="policy weight sync .* failed: .*injected policy swap failure"
         ):
