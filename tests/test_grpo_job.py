@@ -102,13 +102,13 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     opt_at_2 = torch.load(
-        out / "checkpoints" / "iter_000002" / "policy_state.pt", weights_only=False
+        out / "checkpoints" / "iter_000002" / "policy_state.pt", weights_only=True
     )
 
     run_cli(*args, "--resume", str(out), timeout=900)
     records = job_records(out)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # none lost, none counted twice
-    final = torch.load(out / "checkpoints" / "iter_000004" / "policy_state.pt", weights_only=False)
+    final = torch.load(out / "checkpoints" / "iter_000004" / "policy_state.pt", weights_only=True)
     steps = sum(r["policy_steps"] for r in records)
     assert final["version"] == steps
     # The optimiser continued: its step count carries on from the checkpoint's.

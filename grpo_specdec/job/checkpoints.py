@@ -4,8 +4,11 @@ one is whole before any work starts from it."""
 from __future__ import annotations
 
 import json
+import pickle
 import zipfile
 from pathlib import Path
+
+import torch
 
 from grpo_specdec.modelcheck import check_model_dir
 
@@ -36,9 +39,23 @@ def read_state(path: Path) -> dict:
     return state
 
 
+def load_learner_state(path: Path, mmap: bool = False) -> dict:
+    """A learner's state file, unpickled as data only (tensors, numbers, strings and their
+    containers): unpickling anything else can run code, and a checkpoint may come from
+    elsewhere."""
+    try:
+        return torch.load(path, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path} holds more than tensors and plain data; refusing to load it "
+            "(unpickling other objects can run code)"
+        ) from err
+
+
 def check_checkpoint(path: Path) -> None:
     """Every file a resume needs is present and uncorrupted (torch files are zip archives
-    with per-member CRCs; safetensors files must match their headers)."""
+    with per-member CRCs, and must hold data only; safetensors files must match their
+    headers)."""
     read_state(path)
     check_model_dir(path / "policy", f"checkpoint {path} policy")
     if (path / "draft").is_dir():
@@ -54,3 +71,4 @@ def check_checkpoint(path: Path) -> None:
             raise ValueError(f"checkpoint {path}: {name} is missing or corrupt ({err})") from None
         if bad is not None:
             raise ValueError(f"checkpoint {path}: {name} is corrupt (member {bad} fails its CRC)")
+        load_learner_state(f, mmap=True)  # mapped, not read: only the pickled structure is checked

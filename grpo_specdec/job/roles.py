@@ -22,7 +22,7 @@ from grpo_specdec.draft.head import DraftHead, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.grpo.core import grpo_loss
-from grpo_specdec.job.checkpoints import latest_checkpoint
+from grpo_specdec.job.checkpoints import latest_checkpoint, load_learner_state
 from grpo_specdec.job.config import PolicySettings
 
 # ---- rollout --------------------------------------------------------------------------
@@ -262,7 +262,7 @@ class PolicyLearner:
                 path / "policy", dtype=self.model.dtype
             ).state_dict()
         )
-        state = torch.load(path / "policy_state.pt", weights_only=False)
+        state = load_learner_state(path / "policy_state.pt")
         self.opt.load_state_dict(state["opt"])
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
@@ -364,7 +364,7 @@ class DraftLearner:
         )
 
     def load(self, path: Path) -> None:
-        state = torch.load(path / "draft_state.pt", weights_only=False)
+        state = load_learner_state(path / "draft_state.pt")
         self.trainer.load_state_dict(state["trainer"])
         self.version, self.trained_on_policy = state["version"], state["trained_on_policy"]
         self.rng.setstate(state["rng"])

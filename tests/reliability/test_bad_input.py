@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
+import re
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_specdec.job.checkpoints import check_checkpoint
 from tests.conftest import TINY_JOB_CONFIG, job_overrides, run_cli
@@ -160,3 +164,54 @@ def test_corrupt_or_truncated_checkpoint(tiny_target, tiny_draft, job_profile, t
     (ckpt / "state.json").write_text(json.dumps({"iteration": 1}))
     proc = _train("--config", TINY_JOB_CONFIG, *overrides, "--resume", str(out))
     assert proc.returncode == 2 and "state.json lacks ['cursor', 'python_rng']" in proc.stderr
+
+
+def _write_marker(path: str) -> None:
+    Path(path).write_text("code ran")
+
+
+class _PickledCall:
+    """Unpickling this calls _write_marker: the harmless stand-in for code a checkpoint
+    from elsewhere could carry (os.system, ...)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (_write_marker, (str(self.marker),))
+
+
+@pytest.fixture(scope="module")
+def learners(tiny_target, tiny_draft):
+    from grpo_specdec.draft.trainer import DraftTrainConfig
+    from grpo_specdec.job.config import PolicySettings
+    from grpo_specdec.job.roles import DraftLearner, PolicyLearner
+
+    return {
+        "policy": PolicyLearner(tiny_target, PolicySettings()),
+        "draft": DraftLearner(tiny_target, tiny_draft, DraftTrainConfig()),
+    }
+
+
+@pytest.mark.parametrize("role", ["policy", "draft"])
+def test_learner_state_with_pickled_code_is_refused(learners, tmp_path, role):
+    for learner in learners.values():
+        learner.save(tmp_path)
+    state = {"iteration": 0, "cursor": 0, "python_rng": random.getstate()}
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    check_checkpoint(tmp_path)
+    learners[role].load(tmp_path)  # the learner's own state loads as plain data
+
+    file = tmp_path / f"{role}_state.pt"
+    marker = tmp_path / "marker"
+    payload = torch.load(file, weights_only=True)
+    payload["version"] = _PickledCall(marker)
+    torch.save(payload, file)
+    refused = re.escape(f"{file} holds more than tensors and plain data; refusing to load it")
+    with pytest.raises(ValueError, match=refused):
+        check_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=refused):
+        learners[role].load(tmp_path)
+    assert not marker.exists()
+    torch.load(file, weights_only=False)  # the payload is live: an unchecked load runs it
+    assert marker.read_text() == "code ran"
