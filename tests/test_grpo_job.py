@@ -18,6 +18,31 @@ from tests.conftest import TINY_JOB_CONFIG as CONFIG
 from tests.conftest import job_overrides, job_records, run_cli
 
 
+def _engine_greedy(
+    worker, prompts: list[str], max_tokens: int
+) -> list[tuple[list[int], list[int]]]:
+    """Runs in the rollout actor: (prompt ids, the engine's greedy output ids) per prompt."""
+    from grpo_specdec.engine import SamplingSettings
+
+    res = worker.engine.generate(prompts, SamplingSettings(max_tokens=max_tokens))
+    return [(p, g[0].token_ids) for p, g in zip(res.prompt_token_ids, res.outputs, strict=True)]
+
+
+def _hf_greedy(learner, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Runs in the policy actor: the learner's HF model decoding greedily."""
+    learner.model.eval()
+    ids = torch.tensor([prompt_ids], device=learner.device)
+    with torch.no_grad():
+        out = learner.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=learner.model.config.eos_token_id,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
 def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
     tiny_target, tiny_draft, job_profile, tmp_path, questions
 ):
@@ -61,8 +86,9 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         assert versions["draft"] == 2  # a new head every iteration
         assert versions["policy"] == sum(r["policy_steps"] for r in records)
         # The engine serves exactly the learner's weights: greedy decoding agrees with HF.
-        for prompt_ids, engine_out in ray.get(job.rollout.greedy.remote(questions[:4], 20)):
-            assert ray.get(job.policy.generate_greedy.remote(prompt_ids, 20)) == engine_out
+        greedy = ray.get(job.rollout.__ray_call__.remote(_engine_greedy, questions[:4], 20))
+        for prompt_ids, engine_out in greedy:
+            assert ray.get(job.policy.__ray_call__.remote(_hf_greedy, prompt_ids, 20)) == engine_out
 
         before = ray.get(job.draft.status.remote())
         ray.kill(job.draft, no_restart=False)

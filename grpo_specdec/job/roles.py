@@ -79,11 +79,6 @@ class RolloutWorker:
     def versions(self) -> dict[str, int]:
         return self.engine.weight_versions()
 
-    def greedy(self, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
-        """(prompt ids, greedy output ids) per prompt."""
-        res = self.engine.generate(prompts, SamplingSettings(max_tokens=max_tokens))
-        return [(p, g[0].token_ids) for p, g in zip(res.prompt_token_ids, res.outputs, strict=True)]
-
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -203,7 +198,7 @@ class PolicyLearner:
                 old = _stack_padded([self._old_logp[i] for i in idx], logp.shape[1]).to(self.device)
                 ref = (
                     _stack_padded([self._ref_logp[i] for i in idx], logp.shape[1]).to(self.device)
-                    if self.ref
+                    if self.ref is not None
                     else None
                 )
                 resp = _response_mask(mask, [batch.prompt_lens[i] for i in idx])
@@ -269,19 +264,6 @@ class PolicyLearner:
 
     def status(self) -> dict:
         return {"version": self.version}
-
-    def generate_greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        self.model.eval()
-        ids = torch.tensor([prompt_ids], device=self.device)
-        with torch.no_grad():
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=self.model.config.eos_token_id,
-            )
-        return out[0, len(prompt_ids) :].tolist()
 
 
 def _stack_padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
