@@ -1,0 +1,56 @@
+"""The README's command blocks run as written, so the README cannot drift from the code.
+
+The "Models and generation" section's first block runs verbatim on the tiny models; its
+SmolLM2 block runs with the tiny target in place of SmolLM2, as the section says.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SMOLLM2 = "$(grpo-specdec models prepare smollm2)"
+TINY_TARGET = "runs/tiny/target"
+
+
+def section_commands(title: str) -> list[list[str]]:
+    """Each ```bash block of README section `title` as its list of commands (a trailing
+    backslash continues a line; comments are dropped)."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"README has no section '## {title}'"
+    blocks = re.findall(r"```bash\n(.*?)```", match.group(1), re.S)
+    assert blocks, f"README section '{title}' shows no bash block"
+    commands = []
+    for block in blocks:
+        joined = block.replace("\\\n", " ")
+        lines = [re.sub(r"\s+#.*$", "", line).strip() for line in joined.splitlines()]
+        commands.append([line for line in lines if line and not line.startswith("#")])
+    return commands
+
+
+def run(command: str, cwd: Path) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, f"README command failed: {command}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+def test_models_and_generation_commands_run_as_written(tmp_path):
+    tiny_block, smollm2_block = section_commands("Models and generation")
+    for command in tiny_block:
+        run(command, tmp_path)
+    for name in ("out.json", "out_spec.json", "out_ca.json", "profile.json"):
+        assert (tmp_path / name).is_file(), f"README commands wrote no {name}"
+    assert any(SMOLLM2 in c for c in smollm2_block)
+    for command in smollm2_block:
+        run(command.replace(SMOLLM2, TINY_TARGET), tmp_path)
