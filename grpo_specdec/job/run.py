@@ -166,12 +166,7 @@ class Job:
             return
         from grpo_specdec.profile import ProfileConfig, run_profile
 
-        dtype = (
-            self.weight_dtype
-            if self.cfg.model.engine_dtype == "auto"
-            else self.cfg.model.engine_dtype
-        )
-        path = store_path(profile_key(self.base_policy, dtype, draft_dir))
+        path = store_path(profile_key(self.base_policy, self.cfg.model.engine_dtype, draft_dir))
         if not path.is_file():
             self.log(
                 f"no latency profile for {self.base_policy} on this hardware yet: profiling it first"
