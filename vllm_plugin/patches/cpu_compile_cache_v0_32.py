@@ -15,6 +15,8 @@ calling `finalize_loading` only where it exists.
 
 from __future__ import annotations
 
+from vllm_plugin.patches import running_on_cpu
+
 TARGET_VERSION = "0.32.0"
 
 
@@ -23,10 +25,7 @@ def finalize_loading(self, vllm_config) -> None:
 
 
 def applies() -> bool:
-    import vllm
-    from vllm.platforms import current_platform
-
-    return vllm.__version__ == TARGET_VERSION and current_platform.is_cpu()
+    return running_on_cpu(TARGET_VERSION)
 
 
 def apply() -> bool:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_plugin.patches import running_on_cpu
+
 TARGET_VERSION = "0.32.0"
 
 
@@ -34,10 +36,7 @@ def expand_kernel_impl(
 
 
 def applies() -> bool:
-    import vllm
-    from vllm.platforms import current_platform
-
-    return vllm.__version__ == TARGET_VERSION and current_platform.is_cpu()
+    return running_on_cpu(TARGET_VERSION)
 
 
 def apply() -> bool:

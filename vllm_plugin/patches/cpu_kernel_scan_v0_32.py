@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from vllm_plugin.patches import running_on_cpu
+
 TARGET_VERSION = "0.32.0"
 
 
@@ -27,10 +29,7 @@ def instance_namespace(value) -> Mapping:
 
 
 def applies() -> bool:
-    import vllm
-    from vllm.platforms import current_platform
-
-    return vllm.__version__ == TARGET_VERSION and current_platform.is_cpu()
+    return running_on_cpu(TARGET_VERSION)
 
 
 def apply() -> bool:

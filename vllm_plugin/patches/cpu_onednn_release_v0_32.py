@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from vllm_plugin.patches import running_on_cpu
+
 TARGET_VERSION = "0.32.0"
 
 
@@ -37,10 +39,7 @@ def release_handle(handler) -> None:
 
 
 def applies() -> bool:
-    import vllm
-    from vllm.platforms import current_platform
-
-    return vllm.__version__ == TARGET_VERSION and current_platform.is_cpu()
+    return running_on_cpu(TARGET_VERSION)
 
 
 def apply() -> bool:
