@@ -24,6 +24,7 @@ from grpo_specdec.job.actors import remote_roles
 from grpo_specdec.job.checkpoints import LATEST, check_checkpoint, latest_checkpoint, read_state
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.job.roles import PolicyBatch
+from grpo_specdec.modelcheck import resolve_max_model_len
 from grpo_specdec.runtime import runtime_env, worker_cpus_env
 from grpo_specdec.tasks.datasets import ArithmeticSource, JsonlSource
 from grpo_specdec.tasks.rewards import reward
@@ -70,6 +71,7 @@ class Job:
         self.metrics_path = self.out / "metrics.jsonl"
         self.base_policy = resolve_model(cfg.model.policy)
         self.base_draft = cfg.model.draft and resolve_model(cfg.model.draft)
+        self._check_context_length()
         ckpt = None
         if resume:
             ckpt = self._resume_point(Path(resume))
@@ -89,6 +91,21 @@ class Job:
         self._init_ray()
         self.rollout = self.policy = self.draft = None
         self._start(ckpt)
+
+    def _check_context_length(self) -> None:
+        """The engine checks its context length against the model too, but only inside its
+        actor, once Ray and both learners have started: say it here, by the config's name."""
+        r = self.cfg.rollout
+        try:
+            resolve_max_model_len(
+                r.max_model_len,
+                self.base_policy,
+                r.kv_cache_gib,
+                self.cfg.model.engine_dtype,
+                self.base_draft or None,
+            )
+        except ValueError as err:
+            raise ValueError(f"rollout.max_model_len: {err}") from None
 
     def _start(self, ckpt: Path | None) -> None:
         """Create the three roles: from checkpoint `ckpt`, or from the configured models."""

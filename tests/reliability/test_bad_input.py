@@ -130,6 +130,21 @@ def test_draft_for_another_model(tiny_target, tmp_path):
     assert proc.returncode == 2 and "expected one of ['EagleLlamaForCausalLM'" in proc.stderr
 
 
+def test_job_context_longer_than_the_model_allows(tiny_target, tiny_draft, job_profile, tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(
+        "train",
+        "--config",
+        TINY_JOB_CONFIG,
+        *job_overrides(tiny_target, tiny_draft, job_profile, out, 1),
+        "rollout.max_model_len=100000",
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "rollout.max_model_len: max_model_len=100000 exceeds" in proc.stderr
+    assert not out.exists()  # refused before the run folder, Ray or any role
+
+
 def _make_checkpoint(tiny_target, tiny_draft, job_profile, tmp_path):
     out = tmp_path / "run"
     run_cli(
