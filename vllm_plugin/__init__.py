@@ -2,10 +2,12 @@
 
 `register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process
 it starts. Features (the concurrency-aware scheduler, the weight-swap extension) are
-opt-in by configuration. What it does unasked is fix vLLM 0.32 CPU problems (see
-`patches/`, one module each): sampled speculative decoding that was not lossless and
-cost too much, engine starts that recompiled every time, aborted at random, or failed
-after numba was imported; set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched.
+opt-in by configuration. What it does unasked is patch vLLM 0.32 (see `patches/`, one
+module each): on CPU, sampled speculative decoding that was not lossless and cost too
+much, engine starts that recompiled every time, aborted at random, or failed after numba
+was imported; everywhere, a draft pass that ran on steps drafting nothing (it now runs
+lazily, catching up when drafting resumes). Set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM
+untouched.
 """
 
 import logging
@@ -32,6 +34,7 @@ def register() -> None:
         cpu_kernel_scan_v0_32,
         cpu_onednn_release_v0_32,
         cpu_rejection_sample_v0_32,
+        free_k0_v0_32,
     )
 
     for patch in (
@@ -40,6 +43,7 @@ def register() -> None:
         cpu_onednn_release_v0_32,
         cpu_compile_cache_v0_32,
         cpu_kernel_scan_v0_32,
+        free_k0_v0_32,
     ):
         name = patch.__name__.rsplit(".", 1)[1]
         if name in PATCHED or name in SKIPPED:
@@ -50,9 +54,10 @@ def register() -> None:
             # register() may run again in the same process: say it once.
             SKIPPED.append(name)
             logger.warning(
-                "grpo-specdec patch %s not applied: it targets vLLM %s on CPU, found vLLM %s on %s",
+                "grpo-specdec patch %s not applied: vLLM %s on %s is not what it targets "
+                "(vLLM %s; see the module's docstring)",
                 name,
-                patch.TARGET_VERSION,
                 vllm.__version__,
                 current_platform.device_type,
+                patch.TARGET_VERSION,
             )

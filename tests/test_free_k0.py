@@ -1,0 +1,197 @@
+"""Steps that draft nothing skip the draft pass and the rejection sampler
+(`vllm_plugin/patches/free_k0_v0_32.py`), inside a real vLLM engine on tiny models, and
+the catch-up logic on its own."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_specdec.engine import Engine, SamplingSettings
+from tests.conftest import tiny_engine_config
+from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
+from vllm_plugin.patches import free_k0_v0_32 as free_k0
+
+# k per engine step, repeated: runs of k = 0 between drafting steps of several lengths.
+K_CYCLE = [0, 0, 0, 3, 0, 0, 0, 0, 2, 4, 0]
+
+
+class StepCycle:
+    """A policy that ignores the batch and walks through K_CYCLE, one entry per step."""
+
+    def __init__(self):
+        self.step = 0
+
+    def choose(self, batch_size: int) -> int:
+        self.step += 1
+        return K_CYCLE[(self.step - 1) % len(K_CYCLE)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target, tiny_draft, tmp_path_factory):
+    latency = LatencyModel(HingeLatency(40.0, 4.0, 8.0), LinearCost(0.2, 0.01))
+    profile = tmp_path_factory.mktemp("free_k0") / "profile.json"
+    profile.write_text(json.dumps({"latency": latency.to_dict()}))
+    speculative = {
+        "draft": tiny_draft,
+        "k": 4,
+        "concurrency_aware": True,
+        "controller": {"profile": str(profile)},
+    }
+    engine = Engine(tiny_engine_config(tiny_target, speculative=speculative))
+    yield engine
+    free_k0.ENABLED = True
+    engine.shutdown()
+
+
+def _kept_counts(engine) -> tuple[int, int]:
+    def read(worker):
+        kept = free_k0.kept_inputs(worker.model_runner.drafter)
+        return kept.skipped_passes, kept.caught_up_positions
+
+    return engine.llm.collective_rpc(read)[0]
+
+
+def _generate(engine, enabled: bool, prompts, sampling):
+    """Generate with the patch on or off, under the step cycle; also the draft passes
+    skipped and positions caught up during the call."""
+    free_k0.ENABLED = enabled
+    scheduler = engine.scheduler()
+    scheduler.set_policy(StepCycle(), scheduler.new_acceptance())
+    engine.llm.reset_prefix_cache()
+    before = np.array(_kept_counts(engine))
+    try:
+        result = engine.generate(prompts, sampling)
+    finally:
+        free_k0.ENABLED = True
+    return result, tuple(np.array(_kept_counts(engine)) - before)
+
+
+def _tokens(result) -> list[list[int]]:
+    return [s.token_ids for group in result.outputs for s in group]
+
+
+def test_skipped_draft_passes_are_caught_up_to_the_same_drafts(engine, plain_engine, questions):
+    sampling = SamplingSettings(max_tokens=48, ignore_eos=True)
+    always, always_kept = _generate(engine, False, questions[:12], sampling)
+    lazy, lazy_kept = _generate(engine, True, questions[:12], sampling)
+    assert always_kept == (0, 0)
+    skipped, caught_up = lazy_kept
+    assert skipped > 0 and caught_up > 0
+    # Same drafts, so the same acceptance, position by position; same outputs.
+    for key in ("drafts", "draft_tokens", "accepted_tokens", "per_position_acceptance"):
+        assert lazy.spec[key] == always.spec[key], key
+    assert _tokens(lazy) == _tokens(always)
+    assert _tokens(lazy) == _tokens(plain_engine.generate(questions[:12], sampling))
+
+
+def test_without_the_catch_up_drafts_get_worse(engine, questions, monkeypatch):
+    """The equality above is not for free: a draft whose KV cache has holes where steps
+    were skipped accepts fewer tokens (the outputs stay the same: drafts are verified)."""
+    sampling = SamplingSettings(max_tokens=48, ignore_eos=True)
+    always, _ = _generate(engine, False, questions[:12], sampling)
+    monkeypatch.setattr(free_k0.KeptDraftInputs, "prepend", lambda *args, **kwargs: None)
+    holes, (skipped, caught_up) = _generate(engine, True, questions[:12], sampling)
+    assert skipped > 0 and caught_up == 0
+    rate = lambda spec: spec["accepted_tokens"] / spec["draft_tokens"]  # noqa: E731
+    assert rate(holes.spec) < rate(always.spec)
+    assert _tokens(holes) == _tokens(always)
+
+
+def test_temperature_one_distribution_is_the_target_s(engine, plain_engine, questions):
+    """Tokens sampled at T=1 through skipped and caught-up steps follow the same
+    per-position distribution as a plain engine's (total variation between the two
+    empirical distributions, 600 samples each, against what sampling noise gives)."""
+    sampling = SamplingSettings(n=200, temperature=1.0, max_tokens=6, ignore_eos=True)
+    prompts = questions[:3]
+    lazy, (skipped, _) = _generate(engine, True, prompts, sampling)
+    assert skipped > 0
+    plain = plain_engine.generate(prompts, sampling)
+    for position in range(1, 6):
+        for prompt in range(len(prompts)):
+            a = Counter(s.token_ids[position] for s in lazy.outputs[prompt])
+            b = Counter(s.token_ids[position] for s in plain.outputs[prompt])
+            tv = 0.5 * sum(abs(a[t] - b[t]) for t in a.keys() | b.keys()) / 200
+            # Two samples of 200 from one distribution over this tiny vocabulary differ
+            # by ~0.15-0.25 in TV; a sampler that ignored the temperature (greedy) or
+            # the target would put all 200 on one token: TV ~0.7+.
+            assert tv < 0.4, (position, prompt, tv)
+
+
+# ---- the catch-up itself, without an engine -------------------------------------------------
+
+
+def _cad(query_lens, first_positions, slots):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
+    seq_lens = torch.tensor([p + n for p, n in zip(first_positions, query_lens)])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl,
+        seq_lens=seq_lens,
+        num_reqs=len(query_lens),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=torch.zeros(len(query_lens), 4, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots),
+    )
+
+
+def _skipped(req_ids, positions):
+    p = torch.tensor(positions)
+    return free_k0.SkippedStep(list(req_ids), p + 1000, p, p[:, None].float().repeat(1, 2), p + 500)
+
+
+def test_catch_up_puts_each_request_s_skipped_positions_before_its_tokens():
+    kept = free_k0.KeptDraftInputs()
+    kept.keep(_skipped(["a", "b", "gone"], [10, 20, 7]))
+    kept.keep(_skipped(["a", "b"], [11, 21]))
+    # Now "a" decodes position 12; "b" was preempted and recomputes from position 0;
+    # "c" is new. "gone" finished while k = 0: it never pays.
+    cad = _cad([1, 3, 2], [12, 0, 0], [512, 500, 501, 502, 600, 601])
+    ids = torch.tensor([1012, 1000, 1001, 1002, 5, 6])
+    positions = torch.tensor([12, 0, 1, 2, 0, 1])
+    hidden = positions[:, None].float().repeat(1, 2)
+    ids_, pos_, hid_, new = kept.prepend(["a", "b", "c"], ids, positions, hidden, cad, 64)
+    assert pos_.tolist() == [10, 11, 12, 0, 1, 2, 0, 1]
+    assert ids_.tolist() == [1010, 1011, 1012, 1000, 1001, 1002, 5, 6]
+    assert hid_[:, 0].tolist() == [10, 11, 12, 0, 1, 2, 0, 1]
+    assert new.slot_mapping.tolist() == [510, 511, 512, 500, 501, 502, 600, 601]
+    assert new.query_start_loc_cpu.tolist() == [0, 3, 6, 8]
+    assert (new.num_actual_tokens, new.max_query_len) == (8, 3)
+    assert new.seq_lens.tolist() == cad.seq_lens.tolist()  # the same last positions
+    assert kept.caught_up_positions == 2
+
+
+def test_catch_up_keeps_the_newest_positions_within_the_token_budget():
+    kept = free_k0.KeptDraftInputs()
+    for step in range(5):
+        kept.keep(_skipped(["a", "b"], [step, 100 + step]))
+    cad = _cad([1, 1], [5, 105], [5, 105])
+    out = kept.prepend(
+        ["a", "b"], torch.tensor([0, 0]), torch.tensor([5, 105]), torch.zeros(2, 2), cad, capacity=6
+    )
+    assert out[1].tolist() == [3, 4, 5, 103, 104, 105]
+
+
+def test_kept_positions_are_bounded():
+    kept = free_k0.KeptDraftInputs(max_positions=5)
+    for step in range(4):
+        kept.keep(_skipped(["a", "b"], [step, 100 + step]))
+    assert kept.positions <= 5 and len(kept.steps) == 2
+    cad = _cad([1, 1], [4, 104], [4, 104])
+    out = kept.prepend(
+        ["a", "b"],
+        torch.tensor([0, 0]),
+        torch.tensor([4, 104]),
+        torch.zeros(2, 2),
+        cad,
+        capacity=64,
+    )
+    assert out[1].tolist() == [2, 3, 4, 102, 103, 104]

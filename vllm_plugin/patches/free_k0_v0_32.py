@@ -1,0 +1,259 @@
+"""vLLM 0.32.0: a step that drafts nothing (k = 0) costs what a step without speculation costs.
+
+As shipped, when the scheduler picks k = 0 for a step (dynamic speculation), two things
+still run that a plain engine does not:
+- the EAGLE proposer builds its inputs and attention metadata and runs the draft's
+  first pass over every scheduled token, only to keep the draft's KV cache in step with
+  the target's (`SpecDecodeBaseProposer.propose`: "The prefill forward pass above
+  already ran to keep the drafter KV cache in sync");
+- the next step, with nothing to verify, still samples through the rejection sampler
+  (the runner builds speculative metadata on every step of a speculative engine).
+
+Sampling: a step with no draft tokens in it samples with the plain sampler, which is
+what the rejection sampler computes then (its one "bonus" token per request).
+
+Drafting: the pass becomes lazy. On a decode-only step with k = 0 and no drafts to verify,
+the draft inputs of every position (target token, position, hidden state, KV slot) are
+kept and the draft does not run. On the next step that does run the draft (k > 0, or a
+step with prefill), each request's kept positions are put in front of its scheduled
+tokens, as vLLM's first pass already does for prefill, so the draft writes the KV of
+the skipped positions before it drafts: its cache and its drafts are the same as if no
+step had been skipped. Requests that finish while k = 0 never pay.
+
+Kept positions are bounded (`MAX_KEPT_POSITIONS`); beyond that, and where a request's
+positions stop being contiguous (preemption), the oldest are dropped: the draft then
+attends to stale KV there, which lowers acceptance but never changes outputs (every
+draft is verified by the target). Applies to EAGLE / EAGLE-3 chain drafting with one
+data-parallel and one pipeline rank; anything else keeps vLLM's behaviour.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+TARGET_VERSION = "0.32.0"
+ENABLED = True  # tests and benchmarks compare with vLLM's always-run path in one process
+MAX_KEPT_POSITIONS = 1 << 16
+
+
+@dataclass
+class SkippedStep:
+    """Draft inputs of one step whose draft pass did not run, one row per request."""
+
+    req_ids: list[str]
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    slots: torch.Tensor
+
+
+class KeptDraftInputs:
+    """The skipped steps' draft inputs, until the next draft pass catches them up."""
+
+    def __init__(self, max_positions: int = MAX_KEPT_POSITIONS):
+        self.steps: deque[SkippedStep] = deque()
+        self.positions = 0
+        self.max_positions = max_positions
+        self.skipped_passes = 0  # for tests and logs
+        self.caught_up_positions = 0
+
+    def keep(self, step: SkippedStep) -> None:
+        self.steps.append(step)
+        self.positions += len(step.req_ids)
+        self.skipped_passes += 1
+        while self.positions > self.max_positions:
+            self.positions -= len(self.steps.popleft().req_ids)
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.positions = 0
+
+    def prepend(self, req_ids, token_ids, positions, hidden, cad, capacity: int):
+        """This step's draft inputs with each request's kept positions in front of its
+        scheduled tokens: (token_ids, positions, hidden, attention metadata), or None if
+        nothing is kept for these requests. At most `capacity` tokens in all."""
+        if not self.steps:
+            return None
+        n = int(cad.num_actual_tokens)
+        slots = cad.slot_mapping[:n]
+        pool = [
+            torch.cat([*(getattr(s, f) for s in self.steps), current[:n]])
+            for f, current in (
+                ("token_ids", token_ids),
+                ("positions", positions),
+                ("hidden", hidden),
+                ("slots", slots),
+            )
+        ]
+        pool_positions = pool[1].tolist()
+        kept_rows: dict[str, list[int]] = {}
+        row = 0
+        for s in self.steps:
+            for r in s.req_ids:
+                kept_rows.setdefault(r, []).append(row)
+                row += 1
+        starts = cad.query_start_loc_cpu.tolist()
+        per_request = []
+        for i, r in enumerate(req_ids):
+            expect = pool_positions[row + starts[i]] - 1
+            run = []
+            for j in reversed(kept_rows.get(r, ())):
+                if pool_positions[j] != expect:
+                    break
+                run.append(j)
+                expect -= 1
+            per_request.append(run[::-1])
+        total = sum(map(len, per_request))
+        if total == 0:
+            return None
+        if n + total > capacity:
+            cap = max(0, (capacity - n) // sum(1 for p in per_request if p))
+            per_request = [p[len(p) - min(len(p), cap) :] for p in per_request]
+        index, query_start = [], [0]
+        for i, run in enumerate(per_request):
+            index += run + list(range(row + starts[i], row + starts[i + 1]))
+            query_start.append(len(index))
+        self.caught_up_positions += len(index) - n
+        index_t = torch.tensor(index, device=pool[0].device)
+        ids_, pos_, hid_, slot_ = (p[index_t] for p in pool)
+        qsl_cpu = torch.tensor(query_start, dtype=cad.query_start_loc_cpu.dtype)
+        lens = [b - a for a, b in zip(query_start, query_start[1:])]
+        new_cad = cad.replace(
+            query_start_loc=qsl_cpu.to(cad.query_start_loc.device),
+            query_start_loc_cpu=qsl_cpu,
+            num_actual_tokens=len(index),
+            max_query_len=max(lens),
+            slot_mapping=slot_,
+            positions=None if cad.positions is None else pos_,
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        return ids_, pos_, hid_, new_cad
+
+
+def _eligible(proposer) -> bool:
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    parallel = proposer.vllm_config.parallel_config
+    return (
+        isinstance(proposer, EagleProposer)
+        and proposer.method in ("eagle", "eagle3")
+        and not proposer.needs_extra_input_slots
+        and not proposer.parallel_drafting
+        and not proposer.uses_mrope
+        and not proposer.supports_mm_inputs
+        and parallel.data_parallel_size == 1
+        and parallel.pipeline_parallel_size == 1
+    )
+
+
+def kept_inputs(proposer) -> KeptDraftInputs | None:
+    if not hasattr(proposer, "_grpo_kept"):
+        proposer._grpo_kept = KeptDraftInputs() if _eligible(proposer) else None
+    return proposer._grpo_kept
+
+
+def _wrap_propose(original):
+    signature = inspect.signature(original)
+
+    def propose(self, *args, **kwargs):
+        step, self._grpo_step = getattr(self, "_grpo_step", None), None
+        kept = kept_inputs(self)
+        if kept is None or step is None or not ENABLED:
+            return original(self, *args, **kwargs)
+        req_ids, verifies_drafts = step
+        a = signature.bind(self, *args, **kwargs).arguments
+        cad = a["common_attn_metadata"]
+        if verifies_drafts:
+            # Cannot follow a skipped step (nothing was drafted there); only a request
+            # that was not scheduled since could have kept positions: they go stale.
+            kept.clear()
+            return original(self, *args, **kwargs)
+        n = int(cad.num_actual_tokens)
+        if a["num_speculative_tokens"] == 0 and cad.max_query_len == 1:
+            kept.keep(
+                SkippedStep(
+                    list(req_ids),
+                    a["target_token_ids"][:n].clone(),
+                    a["target_positions"][:n].clone(),
+                    a["target_hidden_states"][:n].clone(),
+                    cad.slot_mapping[:n].clone(),
+                )
+            )
+            return torch.empty(cad.batch_size(), 0, dtype=torch.int64, device=cad.seq_lens.device)
+        caught_up = kept.prepend(
+            req_ids,
+            a["target_token_ids"],
+            a["target_positions"],
+            a["target_hidden_states"],
+            cad,
+            self.max_num_tokens,
+        )
+        kept.clear()
+        if caught_up is not None:
+            (
+                a["target_token_ids"],
+                a["target_positions"],
+                a["target_hidden_states"],
+                a["common_attn_metadata"],
+            ) = caught_up
+            a["token_indices_to_sample"] = None  # the last token of each extended query
+        del a["self"]
+        return original(self, **a)
+
+    propose._grpo_original = original
+    return propose
+
+
+def _wrap_runner(original):
+    signature = inspect.signature(original)
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        spec = signature.bind(self, *args, **kwargs).arguments["spec_decode_metadata"]
+        # vLLM 0.32 builds this metadata on every step of a speculative engine, with a
+        # zero per request when nothing was drafted.
+        self.drafter._grpo_step = (
+            self.input_batch.req_ids[: self.input_batch.num_reqs],
+            spec is not None and spec.max_spec_len > 0,
+        )
+        return original(self, *args, **kwargs)
+
+    propose_draft_token_ids._grpo_original = original
+    return propose_draft_token_ids
+
+
+def _wrap_sample(original):
+    def _sample(self, logits, spec_decode_metadata):
+        if ENABLED and spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            spec_decode_metadata = None
+        return original(self, logits, spec_decode_metadata)
+
+    _sample._grpo_original = original
+    return _sample
+
+
+def applies() -> bool:
+    import vllm
+
+    return vllm.__version__ == TARGET_VERSION
+
+
+def apply() -> bool:
+    if not applies():
+        return False
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not hasattr(SpecDecodeBaseProposer.propose, "_grpo_original"):
+        SpecDecodeBaseProposer.propose = _wrap_propose(SpecDecodeBaseProposer.propose)
+    if not hasattr(GPUModelRunner.propose_draft_token_ids, "_grpo_original"):
+        GPUModelRunner.propose_draft_token_ids = _wrap_runner(
+            GPUModelRunner.propose_draft_token_ids
+        )
+    if not hasattr(GPUModelRunner._sample, "_grpo_original"):
+        GPUModelRunner._sample = _wrap_sample(GPUModelRunner._sample)
+    return True
