@@ -118,7 +118,12 @@ def plot_profile(profile: dict, path: str | Path) -> None:
     rows = profile["measurements"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     n = np.array([r["tokens"] for r in rows], dtype=float)
-    target_ms = np.array([r["ms"] - r["k"] * float(latency.draft(r["batch"])) for r in rows])
+    target_ms = np.array(
+        [
+            r["ms"] - float(latency.step_ms(r["batch"], r["k"]) - latency.target(r["tokens"]))
+            for r in rows
+        ]
+    )
     ax1.scatter(
         n,
         target_ms,

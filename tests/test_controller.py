@@ -145,3 +145,47 @@ def test_acceptance_collapse_turns_drafting_off_then_probes_again():
     for _ in range(200):  # no drafts, no evidence: the estimate drifts back to the prior
         est.step()
     assert policy.choose(1) > 0  # so drafting is tried again (e.g. after a draft hot-swap)
+
+
+def test_fit_separates_the_cost_of_speculating_at_all_from_draft_steps():
+    truth = LatencyModel(
+        HingeLatency(flat=24.0, slope=0.75, knee=16.0),
+        LinearCost(base=1.0, per_seq=0.05),
+        speculation=LinearCost(base=3.0, per_seq=0.1),
+    )
+    b, k = np.meshgrid([1, 2, 4, 8, 16, 32, 64], [0, 1, 2, 3, 4, 5])
+    b, k = b.ravel(), k.ravel()
+    fitted, rms = fit_latency(b, k, truth.step_ms(b, k))
+    assert rms < 1e-6
+    assert fitted.speculation.base == pytest.approx(3.0, abs=1e-6)
+    assert fitted.speculation.per_seq == pytest.approx(0.1, abs=1e-6)
+    assert fitted.step_ms(64, 0) == pytest.approx(truth.target(64))  # k = 0 pays none of it
+    assert LatencyModel.from_dict(fitted.to_dict()) == fitted
+
+
+def test_the_cost_of_speculating_at_all_keeps_k_zero_where_it_does_not_pay():
+    """With a fixed per-step price for speculating, a draft that would pay if drafting
+    were free of it does not pay: the controller must price it, not only D(B)."""
+    target, draft = HingeLatency(flat=24.0, slope=0.7, knee=12.0), LinearCost(0.2, 0.01)
+    acceptance = FrozenAcceptance([0.5] * K_MAX)
+    free = GoodputPolicy(LatencyModel(target, draft), acceptance, MAX_BATCH)
+    priced = GoodputPolicy(
+        LatencyModel(target, draft, speculation=LinearCost(20.0, 0.0)), acceptance, MAX_BATCH
+    )
+    assert free.choose(4) > 0
+    assert priced.choose(4) == 0
+    step = priced.latency.step_ms
+    for b in range(1, MAX_BATCH + 1):  # never a k whose predicted goodput loses to k = 0
+        k = priced.choose(b)
+        gain = acceptance.expected_tokens()[k] * step(b, 0) / step(b, k)
+        assert k == 0 or gain > 1.0
+
+
+def test_profiles_written_before_the_speculation_term_still_load():
+    old = {
+        "target": {"flat": 1.0, "slope": 0.1, "knee": 4.0},
+        "draft": {"base": 0.1, "per_seq": 0.0},
+    }
+    latency = LatencyModel.from_dict(old)
+    assert latency.speculation == LinearCost(0.0, 0.0)
+    assert latency.step_ms(1, 1) == pytest.approx(1.0 + 0.1)

@@ -2,11 +2,12 @@
 
 Goodput of drafting k tokens at live concurrency B (tokens per millisecond):
 
-    G(B, k) = B * E[tokens per step | k] / (T(B * (k + 1)) + k * D(B))
+    G(B, k) = B * E[tokens per step | k] / (T(B * (k + 1)) + [k > 0] * S(B) + k * D(B))
 
 T(n) is the step latency with n tokens in the target forward (a roofline: flat while
-memory-bound, linear past the knee C_peak), D(B) the cost of one draft step over B
-sequences, and E[tokens | k] = 1 + sum_{i<k} prod_{j<=i} p_j with p_j the measured
+memory-bound, linear past the knee C_peak), S(B) what a step pays for speculating at all
+(verification by rejection sampling, the draft's metadata; a step with k = 0 pays
+none of it), D(B) the cost of one draft step over B sequences, and E[tokens | k] = 1 + sum_{i<k} prod_{j<=i} p_j with p_j the measured
 conditional acceptance at draft position j. The goodput policy picks the k with the
 largest G; the paper's rule and a fixed k sit behind the same interface.
 """
@@ -43,12 +44,16 @@ class LinearCost:
         return self.base + self.per_seq * np.asarray(b, dtype=float)
 
 
+NO_COST = LinearCost(0.0, 0.0)
+
+
 @dataclass(frozen=True)
 class LatencyModel:
-    """step_ms(B, k) = T(B (k + 1)) + k * D(B)."""
+    """step_ms(B, k) = T(B (k + 1)) + [k > 0] * S(B) + k * D(B)."""
 
     target: HingeLatency
     draft: LinearCost
+    speculation: LinearCost = NO_COST
 
     @property
     def c_peak(self) -> float:
@@ -62,14 +67,20 @@ class LatencyModel:
 
     def step_ms(self, b, k):
         b, k = np.asarray(b, dtype=float), np.asarray(k, dtype=float)
-        return self.target(b * (k + 1)) + k * self.draft(b)
+        return self.target(b * (k + 1)) + (k > 0) * self.speculation(b) + k * self.draft(b)
 
     def to_dict(self) -> dict:
-        return {"target": asdict(self.target), "draft": asdict(self.draft), "c_peak": self.c_peak}
+        return {
+            "target": asdict(self.target),
+            "draft": asdict(self.draft),
+            "speculation": asdict(self.speculation),
+            "c_peak": self.c_peak,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> LatencyModel:
-        return cls(HingeLatency(**d["target"]), LinearCost(**d["draft"]))
+        speculation = LinearCost(**d["speculation"]) if "speculation" in d else NO_COST
+        return cls(HingeLatency(**d["target"]), LinearCost(**d["draft"]), speculation)
 
 
 def _nonnegative_lstsq(features: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -87,19 +98,27 @@ def fit_latency(b, k, ms) -> tuple[LatencyModel, float]:
     """Least-squares fit of step_ms(B, k) to measured steps; returns (model, rms error ms).
 
     The knee is searched over 0 and the measured token counts; for each candidate the
-    four linear coefficients are solved non-negative.
+    six linear coefficients are solved non-negative.
     """
     b, k, ms = (np.asarray(x, dtype=float) for x in (b, k, ms))
     n = b * (k + 1)
+    on = (k > 0).astype(float)
     best = None
     for knee in np.unique(np.concatenate([[0.0], n])):
-        features = np.stack([np.ones_like(n), np.maximum(n - knee, 0), k, k * b], axis=1)
+        features = np.stack(
+            [np.ones_like(n), np.maximum(n - knee, 0), on, on * b, k, k * b], axis=1
+        )
         coef = _nonnegative_lstsq(features, ms)
         sse = float(((features @ coef - ms) ** 2).sum())
         if best is None or sse < best[0] - 1e-9:
             best = (sse, knee, coef)
-    sse, knee, (flat, slope, d_base, d_per_seq) = (best[0], best[1], [float(c) for c in best[2]])
-    model = LatencyModel(HingeLatency(flat, slope, float(knee)), LinearCost(d_base, d_per_seq))
+    sse, knee, coef = best[0], best[1], [float(c) for c in best[2]]
+    flat, slope, s_base, s_per_seq, d_base, d_per_seq = coef
+    model = LatencyModel(
+        HingeLatency(flat, slope, float(knee)),
+        LinearCost(d_base, d_per_seq),
+        LinearCost(s_base, s_per_seq),
+    )
     return model, math.sqrt(sse / len(ms))
 
 

@@ -61,10 +61,16 @@ def hardware_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# Bumped when what a profile measures changes: 2 = steps with k = 0 skip the draft pass
+# (patches/free_k0_v0_32.py) and the fit prices speculating at all.
+PROFILE_FORMAT = 2
+
+
 def profile_key(model: str, dtype, draft: str | None) -> dict:
     """What a latency profile is stored under. `dtype` may be as asked ("auto" too) or
     as vLLM chose it: the key holds the dtype the engine runs in, either way."""
     return {
+        "format": PROFILE_FORMAT,
         "model": str(Path(model).resolve()) if Path(model).exists() else model,
         "dtype": engine_dtype(model, dtype),
         "draft_arch": _draft_arch(draft),
