@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from grpo_specdec.assets.smollm2 import DEFAULT_DRAFT_VOCAB, head_dir
+from vllm_plugin.settings import PROFILE_FORMAT
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 ASSETS = DOCS / "assets"
@@ -28,16 +31,11 @@ def smollm2() -> str:
     return cli("models", "prepare", "smollm2")
 
 
-def head_dir() -> Path:
-    from grpo_specdec.assets.smollm2 import default_dir
-
-    return default_dir().parent / "heads" / "smollm2-arith"
-
-
-def smollm2_head(target: str, draft_vocab: int | None = None) -> str:
-    """The EAGLE head bootstrapped on the arithmetic task (about 15 minutes on 2 CPU
-    cores); with `draft_vocab`, the reduced-vocabulary variant."""
-    out = head_dir() if draft_vocab is None else head_dir().parent / f"smollm2-arith-v{draft_vocab}"
+def smollm2_head(target: str, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> str:
+    """The head bootstrapped on the arithmetic task (about 15 minutes on 2 CPU cores), as
+    the GRPO job's 'smollm2-arith' builds it: the reduced-vocabulary one by default, the
+    full-vocabulary one with `draft_vocab=None`."""
+    out = head_dir(draft_vocab)
     if not (out / "model.safetensors").is_file():
         extra = [] if draft_vocab is None else ["--draft-vocab", str(draft_vocab)]
         cli(
@@ -63,12 +61,12 @@ def smollm2_head(target: str, draft_vocab: int | None = None) -> str:
 def smollm2_profile(target: str, draft: str, k_max: int) -> Path:
     """The latency profile of SmolLM2 with this head (its draft step cost is the head's).
     A profile measured up to a larger k serves too: the fitted model does not depend on it."""
-    name = Path(draft).name
-    measured = sorted(head_dir().parent.glob(f"profile-{name}-k*.json"))
+    name = f"{Path(draft).name}-f{PROFILE_FORMAT}"
+    measured = sorted(Path(draft).parent.glob(f"profile-{name}-k*.json"))
     covering = [p for p in measured if int(p.stem.rsplit("-k", 1)[1]) >= k_max]
     if covering:
         return covering[0]
-    out = head_dir().parent / f"profile-{name}-k{k_max}.json"
+    out = Path(draft).parent / f"profile-{name}-k{k_max}.json"
     ASSETS.mkdir(parents=True, exist_ok=True)
     cli(
         "profile",

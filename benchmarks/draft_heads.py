@@ -86,7 +86,7 @@ def measure(
 
 def main() -> None:
     target = smollm2()
-    heads = {"full vocabulary (EAGLE)": smollm2_head(target)}
+    heads = {"full vocabulary (EAGLE)": smollm2_head(target, draft_vocab=None)}
     heads[f"reduced vocabulary, {DRAFT_VOCAB} tokens (EAGLE-3 format)"] = smollm2_head(
         target, DRAFT_VOCAB
     )

