@@ -114,7 +114,7 @@ def _profile(args) -> None:
 def _train(args) -> None:
     from grpo_specdec.config import load_yaml
     from grpo_specdec.job.config import TrainConfig
-    from grpo_specdec.job.run import Job, summary_table
+    from grpo_specdec.job.run import Job, comparison_table, summary_table
 
     overrides = list(args.overrides)
     if args.ray_address:
@@ -123,9 +123,13 @@ def _train(args) -> None:
     job = Job(cfg, resume=args.resume)
     try:
         records = job.run()
+        comparison = job.compare_rollout() if cfg.compare_at_end else None
     finally:
         job.shutdown()
     print(summary_table(records))
+    if comparison:
+        r = cfg.rollout
+        print(comparison_table(comparison, r.prompts_per_iteration, r.group_size))
     print(cfg.out)
 
 

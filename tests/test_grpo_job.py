@@ -131,7 +131,7 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
         out / "checkpoints" / "iter_000002" / "policy_state.pt", weights_only=True
     )
 
-    run_cli(*args, "--resume", str(out), timeout=900)
+    resumed = run_cli(*args, "compare_at_end=true", "--resume", str(out), timeout=900)
     records = job_records(out)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # none lost, none counted twice
     final = torch.load(out / "checkpoints" / "iter_000004" / "policy_state.pt", weights_only=True)
@@ -142,6 +142,15 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     assert step_at(final) == steps and step_at(final) >= step_at(opt_at_2)
     state = json.loads((out / "checkpoints" / "iter_000004" / "state.json").read_text())
     assert state["iteration"] == 4 and state["cursor"] == 4 * 4
+    # compare_at_end: the next batch rolled out with and without speculation, side by side.
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in resumed.stdout.splitlines()
+        if line.startswith("| no speculation") or line.startswith("| speculation:")
+    }
+    assert set(rows) == {"no speculation", "speculation: concurrency_aware"}, resumed.stdout
+    assert all(int(cells[0]) > 0 for cells in rows.values())
+    assert rows["no speculation"][3].strip() == "1.00x"
 
 
 def test_resumed_engine_reports_the_checkpoint_weight_versions(

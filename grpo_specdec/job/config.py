@@ -91,5 +91,10 @@ class TrainConfig(StrictModel):
     ray: RaySettings = RaySettings()
     iterations: int = Field(20, ge=1)
     checkpoint_every: int = Field(5, ge=1)
+    compare_at_end: bool = Field(
+        False,
+        description="after the last iteration, roll out the next batch with the job's engine "
+        "and with one without speculation serving the same policy, and print both",
+    )
     out: str = "runs/grpo"
     seed: int = 0

@@ -482,9 +482,65 @@ class Job:
         tb.close()
         return records
 
+    def compare_rollout(self) -> dict[str, dict]:
+        """The next batch of prompts rolled out twice, one engine after the other: by the
+        job's engine (its speculation, final weights) and by an engine without
+        speculation serving the last checkpoint's policy (the same weights)."""
+        r = self.cfg.rollout
+        ckpt = latest_checkpoint(self.ckpts)
+        if ckpt is None or read_state(ckpt)["iteration"] != self.iteration:
+            ckpt = self.checkpoint()
+        prompts = [
+            self.source.get(self.cursor + i).question for i in range(r.prompts_per_iteration)
+        ]
+        sampling = {"n": r.group_size, "temperature": r.temperature, "top_p": r.top_p}
+        sampling["max_tokens"] = r.max_tokens
+        Rollout, _, _ = remote_roles(self.cfg.ray)
+        plain_cfg = {**self._engine_cfg, "model": str(ckpt / "policy"), "speculative": None}
+        plain = Rollout.remote(plain_cfg, {})
+        ray.get(plain.__ray_ready__.remote())  # start-up is not part of the comparison
+        try:
+            runs = {
+                "no speculation": ray.get(plain.rollout.remote(prompts, sampling)),
+                f"speculation: {r.speculation}": ray.get(
+                    self.rollout.rollout.remote(prompts, sampling)
+                ),
+            }
+        finally:
+            ray.get(plain.shutdown.remote())
+            ray.kill(plain)
+        out = {}
+        for name, run in runs.items():
+            tokens = sum(len(s) for group in run.responses for s in group)
+            out[name] = {
+                "tokens": tokens,
+                "wall_s": run.wall_s,
+                "tokens_per_s": tokens / run.wall_s,
+                "mean_acceptance_length": run.spec["mean_acceptance_length"],
+                "k_steps": run.k_steps,
+            }
+        return out
+
     def shutdown(self) -> None:
         ray.get(self.rollout.shutdown.remote())
         ray.shutdown()
+
+
+def comparison_table(runs: dict[str, dict], prompts: int, group: int) -> str:
+    """`Job.compare_rollout`'s result, side by side."""
+    base = runs["no speculation"]["tokens_per_s"]
+    lines = [
+        f"| rollout of the next {prompts} prompts x {group} samples | tokens | seconds | "
+        "tokens/s | vs no speculation | mean acceptance length | steps per k |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, v in runs.items():
+        ks = ", ".join(f"{k}: {n}" for k, n in sorted(v["k_steps"].items())) or "-"
+        lines.append(
+            f"| {name} | {v['tokens']} | {v['wall_s']:.1f} | {v['tokens_per_s']:.1f} | "
+            f"{v['tokens_per_s'] / base:.2f}x | {v['mean_acceptance_length']:.2f} | {ks} |"
+        )
+    return "\n".join(lines)
 
 
 def summary_table(records: list[dict]) -> str:
