@@ -180,11 +180,12 @@ def test_catch_up_keeps_the_newest_positions_within_the_token_budget():
     assert out[1].tolist() == [3, 4, 5, 103, 104, 105]
 
 
-def test_kept_positions_are_bounded():
-    kept = free_k0.KeptDraftInputs(max_positions=5)
+def test_kept_inputs_are_bounded():
+    step_bytes = _skipped(["a", "b"], [0, 100]).nbytes
+    kept = free_k0.KeptDraftInputs(max_bytes=2 * step_bytes + 1)
     for step in range(4):
         kept.keep(_skipped(["a", "b"], [step, 100 + step]))
-    assert kept.positions <= 5 and len(kept.steps) == 2
+    assert kept.nbytes == 2 * step_bytes and len(kept.steps) == 2
     cad = _cad([1, 1], [4, 104], [4, 104])
     out = kept.prepend(
         ["a", "b"],

@@ -20,7 +20,7 @@ tokens, as vLLM's first pass already does for prefill, so the draft writes the K
 the skipped positions before it drafts: its cache and its drafts are the same as if no
 step had been skipped. Requests that finish while k = 0 never pay.
 
-Kept positions are bounded (`MAX_KEPT_POSITIONS`); beyond that, and where a request's
+Kept inputs are bounded (`MAX_KEPT_BYTES`); beyond that, and where a request's
 positions stop being contiguous (preemption), the oldest are dropped: the draft then
 attends to stale KV there, which lowers acceptance but never changes outputs (every
 draft is verified by the target). Applies to EAGLE / EAGLE-3 chain drafting with one
@@ -37,7 +37,7 @@ import torch
 
 TARGET_VERSION = "0.32.0"
 ENABLED = True  # tests and benchmarks compare with vLLM's always-run path in one process
-MAX_KEPT_POSITIONS = 1 << 16
+MAX_KEPT_BYTES = 256 << 20  # per engine: e.g. 16k positions of a 4096-wide bf16 model
 
 
 @dataclass
@@ -50,46 +50,53 @@ class SkippedStep:
     hidden: torch.Tensor
     slots: torch.Tensor
 
+    FIELDS = ("token_ids", "positions", "hidden", "slots")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, f).nbytes for f in self.FIELDS)
+
 
 class KeptDraftInputs:
     """The skipped steps' draft inputs, until the next draft pass catches them up."""
 
-    def __init__(self, max_positions: int = MAX_KEPT_POSITIONS):
+    def __init__(self, max_bytes: int = MAX_KEPT_BYTES):
         self.steps: deque[SkippedStep] = deque()
-        self.positions = 0
-        self.max_positions = max_positions
+        self.nbytes = 0
+        self.max_bytes = max_bytes
         self.skipped_passes = 0  # for tests and logs
         self.caught_up_positions = 0
 
     def keep(self, step: SkippedStep) -> None:
         self.steps.append(step)
-        self.positions += len(step.req_ids)
+        self.nbytes += step.nbytes
         self.skipped_passes += 1
-        while self.positions > self.max_positions:
-            self.positions -= len(self.steps.popleft().req_ids)
+        while self.nbytes > self.max_bytes:
+            self.nbytes -= self.steps.popleft().nbytes
 
     def clear(self) -> None:
         self.steps.clear()
-        self.positions = 0
+        self.nbytes = 0
 
     def prepend(self, req_ids, token_ids, positions, hidden, cad, capacity: int):
         """This step's draft inputs with each request's kept positions in front of its
         scheduled tokens: (token_ids, positions, hidden, attention metadata), or None if
         nothing is kept for these requests. At most `capacity` tokens in all."""
-        if not self.steps:
+        scheduled = set(req_ids)
+        if not any(r in scheduled for s in self.steps for r in s.req_ids):
             return None
         n = int(cad.num_actual_tokens)
-        slots = cad.slot_mapping[:n]
-        pool = [
-            torch.cat([*(getattr(s, f) for s in self.steps), current[:n]])
-            for f, current in (
-                ("token_ids", token_ids),
-                ("positions", positions),
-                ("hidden", hidden),
-                ("slots", slots),
-            )
-        ]
-        pool_positions = pool[1].tolist()
+        current = dict(
+            token_ids=token_ids[:n],
+            positions=positions[:n],
+            hidden=hidden[:n],
+            slots=cad.slot_mapping[:n],
+        )
+
+        def pooled(field: str) -> torch.Tensor:  # kept rows, then this step's
+            return torch.cat([*(getattr(s, field) for s in self.steps), current[field]])
+
+        pool_positions = pooled("positions").tolist()  # the one device sync
         kept_rows: dict[str, list[int]] = {}
         row = 0
         for s in self.steps:
@@ -118,8 +125,8 @@ class KeptDraftInputs:
             index += run + list(range(row + starts[i], row + starts[i + 1]))
             query_start.append(len(index))
         self.caught_up_positions += len(index) - n
-        index_t = torch.tensor(index, device=pool[0].device)
-        ids_, pos_, hid_, slot_ = (p[index_t] for p in pool)
+        index_t = torch.tensor(index, device=hidden.device)
+        ids_, pos_, hid_, slot_ = (pooled(f)[index_t] for f in SkippedStep.FIELDS)
         qsl_cpu = torch.tensor(query_start, dtype=cad.query_start_loc_cpu.dtype)
         lens = [b - a for a, b in zip(query_start, query_start[1:])]
         new_cad = cad.replace(
