@@ -98,3 +98,26 @@ def write_section(doc: Path, marker: str, body: str) -> None:
 
 def load_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def trained_policy(iterations: int = 12, lr: float = 1e-4) -> tuple[str, str]:
+    """(policy, draft head) after `iterations` of the project's own GRPO job on SmolLM2 at
+    learning rate `lr`, with the head learning online; trained once, then reused."""
+    from grpo_specdec.assets.smollm2 import default_dir
+    from grpo_specdec.job.checkpoints import latest_checkpoint
+
+    out = default_dir().parent / "runs" / f"smollm2-arith-lr{lr:g}-it{iterations}"
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if ckpt is None or int(ckpt.name.rsplit("_", 1)[1]) < iterations:
+        cli(
+            "train",
+            "--config",
+            str(ROOT / "configs" / "smollm2_arith.yaml"),
+            f"iterations={iterations}",
+            f"checkpoint_every={iterations}",
+            f"policy.lr={lr}",
+            f"out={out}",
+            *(["--resume", str(out)] if ckpt else []),
+        )
+        ckpt = latest_checkpoint(out / "checkpoints")
+    return str(ckpt / "policy"), str(ckpt / "draft")

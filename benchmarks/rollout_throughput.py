@@ -1,14 +1,21 @@
-"""Rollout throughput on SmolLM2-135M: no speculation, fixed k, vLLM's static batch-size
-table, the paper's rule and our controller, measured side by side in one run.
+"""Rollout throughput on SmolLM2-135M: no speculation, k = 0 with the draft loaded (with
+the plugin's free-k=0 patch and as vLLM ships it), fixed k, vLLM's static batch-size table,
+the paper's rule and our controller, measured side by side in one run.
 
     python benchmarks/rollout_throughput.py            # or: make bench
 
-Two workloads: fixed concurrency B (each request exactly --tokens tokens, greedy), and a
-GRPO-shaped rollout (P prompts x G samples, temperature 1, natural stop, so concurrency
-decays as sequences finish). One speculative engine serves every speculative
-configuration (the scheduler's k source is switched between runs); a plain engine with
-no draft is the baseline. Configurations are interleaved and repeated; each keeps its
-own acceptance estimator and starts every run from an empty prefix cache.
+Workloads:
+- fixed concurrency B = 1..64, greedy and T=1: each request exactly --tokens tokens, on the
+  head's own task (arithmetic questions) and, at B = 1 and 8, on prompts outside it;
+- GRPO-shaped rollouts at T=1 (P prompts x G samples, natural stop, so concurrency
+  decays as sequences finish): `untrained` (SmolLM2 as shipped, 8 x 8, max 256 tokens),
+  `trained` (the policy after --trained-iterations of `grpo-specdec train` at
+  --trained-lr, with the head it learnt online; trained here if absent) and `long` (4 x
+  16, max 512 tokens).
+One speculative engine per policy serves every speculative configuration (the
+scheduler's k source is switched between runs); a plain engine with no draft is the
+baseline. Configurations are interleaved and repeated; each keeps its own acceptance
+estimator and starts every run from an empty prefix cache.
 """
 
 from __future__ import annotations
@@ -28,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 from benchmarks.common import (
     ASSETS,
     DOCS,
-    load_json,
     smollm2,
     smollm2_head,
     smollm2_profile,
+    trained_policy,
     write_section,
 )
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
@@ -45,7 +52,27 @@ from vllm_plugin.controller import (
     PaperPolicy,
     conditional_from_cumulative,
 )
+from vllm_plugin.patches import free_k0_v0_32
 from vllm_plugin.settings import hardware_name
+
+# GRPO shapes: which policy answers, prompts x group, token cap.
+SHAPES = {
+    "untrained": ("base", 8, 8, 256),
+    "trained": ("trained", 8, 8, 256),
+    "long": ("base", 4, 16, 512),
+}
+FEW_IN_FLIGHT = 8  # "few sequences in flight": B at or below this
+# Prompts unlike the head's training task (arithmetic word problems).
+OUTSIDE_PROMPTS = [
+    "Write a short poem about the sea at night.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "List five tips for keeping a houseplant alive.",
+    "Describe the plot of a detective story set in a small village.",
+    "What are the main differences between a cat and a dog as pets?",
+    "Give me a recipe for a simple vegetable soup.",
+    "Summarise the benefits of regular exercise in a paragraph.",
+    "Write a polite email declining a meeting invitation.",
+]
 
 
 def static_table(latency: LatencyModel, conditional, k_max: int, max_batch: int) -> list[list[int]]:
@@ -69,6 +96,7 @@ class Config:
     engine: Engine
     policy: object = None  # a Policy, or vLLM's dense batch-size -> k list
     acceptance: AcceptanceEstimator | None = None
+    free_k0: bool = True  # False: steps with k = 0 run the draft pass, as vLLM ships it
 
 
 def run(engine: Engine, prompts: list[str], sampling: SamplingSettings) -> dict:
@@ -89,9 +117,45 @@ def run_config(config: Config, prompts: list[str], sampling: SamplingSettings) -
     scheduler = config.engine.scheduler()
     scheduler.set_policy(config.policy, config.acceptance)
     mark = scheduler.steps_scheduled
-    out = run(config.engine, prompts, sampling)
+    free_k0_v0_32.ENABLED = config.free_k0
+    try:
+        out = run(config.engine, prompts, sampling)
+    finally:
+        free_k0_v0_32.ENABLED = True
     out["trace"] = [(t, b, k) for t, b, k, _ in scheduler.steps_since(mark)]
     return out
+
+
+def few_in_flight_share(trace: list) -> float:
+    """Share of the rollout's wall time spent in steps with at most FEW_IN_FLIGHT running."""
+    if len(trace) < 2:
+        return 0.0
+    t = np.array([x[0] for x in trace])
+    b = np.array([x[1] for x in trace])
+    dt = np.diff(t)
+    return float(dt[b[:-1] <= FEW_IN_FLIGHT].sum() / dt.sum())
+
+
+def compared_configs(
+    plain: Engine, spec: Engine, latency: LatencyModel, table, k_max: int, max_batch: int
+) -> dict[str, Config]:
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    scheduler = spec.scheduler()
+
+    def on_spec(policy, acceptance=None) -> Config:
+        return Config(spec, policy, acceptance or scheduler.new_acceptance())
+
+    ours = scheduler.new_acceptance()
+    return {
+        "no spec": Config(plain),
+        "k=0 (draft loaded)": on_spec(FixedPolicy(0)),
+        "k=0, vLLM as shipped": Config(spec, FixedPolicy(0), scheduler.new_acceptance(), False),
+        **{f"k={k}": on_spec(FixedPolicy(k)) for k in range(1, k_max + 1)},
+        "static table": on_spec(build_dynamic_sd_schedule_lookup(table, max_batch, k_max)),
+        "paper rule": on_spec(PaperPolicy(latency.c_peak, k_max)),
+        "ours": on_spec(GoodputPolicy(latency, ours, max_batch), ours),
+    }
 
 
 def main() -> None:
@@ -100,220 +164,297 @@ def main() -> None:
     )
     ap.add_argument("--k-max", type=int, default=5)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--temperatures", default="0,1", help="fixed-concurrency workloads")
     ap.add_argument(
         "--tokens", type=int, default=64, help="tokens per request, fixed-concurrency workload"
     )
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument(
-        "--max-tokens", type=int, default=256, help="cap per sample, GRPO-shaped workload"
-    )
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="GRPO shapes to run")
+    ap.add_argument("--trained-iterations", type=int, default=12)
+    ap.add_argument("--trained-lr", type=float, default=1e-4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(DOCS / "BENCHMARKS.md"))
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    shapes = [s for s in args.shapes.split(",") if s]
 
     target = smollm2()
-    draft = smollm2_head(target)
-    profile_path = smollm2_profile(target, draft, args.k_max)
-    latency = LatencyModel.from_dict(load_json(profile_path)["latency"])
-    max_batch = max(max(batch_sizes), args.prompts * args.group)
-    common = dict(
-        model=target, max_model_len=1024, max_num_seqs=max_batch, kv_cache_gib=2.0, seed=0
-    )
-    plain = Engine(EngineConfig(**common))
-    spec = Engine(
-        EngineConfig(
-            **common,
-            speculative={
-                "draft": draft,
-                "k": args.k_max,
-                "concurrency_aware": True,
-                "controller": {"policy": "goodput", "profile": str(profile_path)},
-            },
-        )
-    )
-    scheduler = spec.scheduler()
+    head = smollm2_head(target)
+    profile_path = smollm2_profile(target, head, args.k_max)
+    latency = LatencyModel.from_dict(json.loads(profile_path.read_text())["latency"])
+    models = {"base": (target, head)}
+    if any(SHAPES[s][0] == "trained" for s in shapes):
+        models["trained"] = trained_policy(args.trained_iterations, args.trained_lr)
+    max_batch = max([*batch_sizes, *(SHAPES[s][1] * SHAPES[s][2] for s in shapes)])
 
+    # Workloads: (section, key, policy, prompts, sampling).
     questions = [p.question for p in make_problems(max_batch, seed=7, level=2)]
-    grpo_prompts = [p.question for p in make_problems(args.prompts, seed=11, level=2)]
-    grpo_sampling = SamplingSettings(n=args.group, temperature=1.0, max_tokens=args.max_tokens)
-
-    # Calibrate the static table the way a user would: measure acceptance once at k_max.
-    scheduler.set_policy(FixedPolicy(args.k_max))
-    calib = spec.generate(grpo_prompts, grpo_sampling).spec
-    conditional = conditional_from_cumulative(calib["per_position_acceptance"])
-    table = static_table(latency, conditional, args.k_max, max_batch)
-    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
-    def on_spec(policy, acceptance=None) -> Config:
-        return Config(spec, policy, acceptance or scheduler.new_acceptance())
-
-    ours = scheduler.new_acceptance()
-    configs = {
-        "no spec": Config(plain),
-        **{f"k={k}": on_spec(FixedPolicy(k)) for k in range(1, args.k_max + 1)},
-        "static table": on_spec(build_dynamic_sd_schedule_lookup(table, max_batch, args.k_max)),
-        "paper rule": on_spec(PaperPolicy(latency.c_peak, args.k_max)),
-        "ours": on_spec(GoodputPolicy(latency, ours, max_batch), ours),
-    }
-
-    fixed: dict[str, dict[int, list[dict]]] = {n: {b: [] for b in batch_sizes} for n in configs}
-    grpo: dict[str, list[dict]] = {n: [] for n in configs}
-    for rep in range(args.repeats):
-        for config in configs.values():  # warm both engines and each estimator before timing
-            if rep == 0:
-                run_config(config, questions[:4], SamplingSettings(max_tokens=8, ignore_eos=True))
+    workloads = []
+    for temp in temperatures:
         for b in batch_sizes:
-            for name, config in configs.items():
-                fixed[name][b].append(
-                    run_config(
-                        config,
-                        questions[:b],
-                        SamplingSettings(max_tokens=args.tokens, ignore_eos=True),
-                    )
-                )
-        for name, config in configs.items():
-            grpo[name].append(run_config(config, grpo_prompts, grpo_sampling))
-        print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
-    plain.shutdown()
-    spec.shutdown()
+            sampling = SamplingSettings(max_tokens=args.tokens, ignore_eos=True, temperature=temp)
+            workloads.append(("fixed", f"{temp:g}/{b}", "base", questions[:b], sampling))
+        for b in (1, len(OUTSIDE_PROMPTS)):
+            sampling = SamplingSettings(max_tokens=args.tokens, ignore_eos=True, temperature=temp)
+            workloads.append(("outside", f"{temp:g}/{b}", "base", OUTSIDE_PROMPTS[:b], sampling))
+    for shape in shapes:
+        policy, n_prompts, group, cap = SHAPES[shape]
+        prompts = [p.question for p in make_problems(n_prompts, seed=11, level=2)]
+        sampling = SamplingSettings(n=group, temperature=1.0, max_tokens=cap)
+        workloads.append(("grpo", shape, policy, prompts, sampling))
 
-    tps = lambda runs: statistics.median(r["tokens"] / r["wall_s"] for r in runs)  # noqa: E731
-    results = {
+    configs, engines, tables, calibration = {}, [], {}, {}
+    for name, (model, draft) in models.items():
+        if not any(w[2] == name for w in workloads):
+            continue
+        common = dict(
+            model=model, max_model_len=1024, max_num_seqs=max_batch, kv_cache_gib=1.5, seed=0
+        )
+        plain = Engine(EngineConfig(**common))
+        spec = Engine(
+            EngineConfig(
+                **common,
+                speculative={
+                    "draft": draft,
+                    "k": args.k_max,
+                    "concurrency_aware": True,
+                    "controller": {"policy": "goodput", "profile": str(profile_path)},
+                },
+            )
+        )
+        engines += [plain, spec]
+        # Calibrate the static table the way a user would: measure acceptance once at
+        # k_max, on this policy's own GRPO-shaped rollout.
+        spec.scheduler().set_policy(FixedPolicy(args.k_max))
+        own = [w for w in workloads if w[0] == "grpo" and w[2] == name]
+        calib_prompts, calib_sampling = (
+            (own[0][3], own[0][4])
+            if own
+            else (questions[:8], SamplingSettings(n=8, temperature=1.0, max_tokens=256))
+        )
+        measured = spec.generate(calib_prompts, calib_sampling).spec
+        conditional = conditional_from_cumulative(measured["per_position_acceptance"])
+        calibration[name] = conditional.tolist()
+        tables[name] = static_table(latency, conditional, args.k_max, max_batch)
+        configs[name] = compared_configs(plain, spec, latency, tables[name], args.k_max, max_batch)
+
+    results: dict[str, dict[str, dict[str, list[dict]]]] = {}
+    for rep in range(args.repeats):
+        if rep == 0:  # warm every engine and estimator before timing
+            for per_policy in configs.values():
+                for config in per_policy.values():
+                    run_config(
+                        config, questions[:4], SamplingSettings(max_tokens=8, ignore_eos=True)
+                    )
+        for section, key, policy, prompts, sampling in workloads:
+            for name, config in configs[policy].items():
+                runs = results.setdefault(section, {}).setdefault(key, {}).setdefault(name, [])
+                runs.append(run_config(config, prompts, sampling))
+            print(f"repeat {rep + 1}/{args.repeats}: {section} {key} done", flush=True)
+    for engine in engines:
+        engine.shutdown()
+
+    def summary(runs: list[dict]) -> dict:
+        out = {
+            "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+            "wall_s": statistics.median(r["wall_s"] for r in runs),
+            "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
+        }
+        if "trace" in runs[-1]:
+            out["few_in_flight_share"] = statistics.median(
+                few_in_flight_share(r["trace"]) for r in runs
+            )
+        return out
+
+    report_data = {
         "hardware": hardware_name(),
         "k_max": args.k_max,
         "c_peak": latency.c_peak,
-        "static_table": table,
-        "calibration_conditional_acceptance": conditional.tolist(),
-        "fixed": {
-            n: {
-                b: {
-                    "tokens_per_s": tps(runs),
-                    "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
-                }
-                for b, runs in per_b.items()
-            }
-            for n, per_b in fixed.items()
+        "latency": latency.to_dict(),
+        "static_tables": tables,
+        "calibration_conditional_acceptance": calibration,
+        "trained_policy": models.get("trained"),
+        "results": {
+            section: {key: {n: summary(r) for n, r in per.items()} for key, per in keyed.items()}
+            for section, keyed in results.items()
         },
-        "grpo": {
-            n: {
-                "tokens_per_s": tps(runs),
-                "wall_s": statistics.median(r["wall_s"] for r in runs),
-                "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
-            }
-            for n, runs in grpo.items()
+        "traces": {
+            shape: results["grpo"][shape]["ours"][-1]["trace"]
+            for shape in shapes
+            if "grpo" in results
         },
-        "traces": {n: grpo[n][-1].get("trace", []) for n in ("ours", "paper rule", "static table")},
         "args": vars(args),
     }
     ASSETS.mkdir(parents=True, exist_ok=True)
-    (ASSETS / "rollout_throughput.json").write_text(json.dumps(results, indent=1))
-    plot(results, batch_sizes)
-    write_section(Path(args.out), "rollout-throughput", report(results, batch_sizes))
-    print(report(results, batch_sizes))
+    (ASSETS / "rollout_throughput.json").write_text(json.dumps(report_data, indent=1))
+    plot(report_data)
+    text = report(report_data)
+    write_section(Path(args.out), "rollout-throughput", text)
+    print(text)
 
 
-def report(r: dict, batch_sizes: list[int]) -> str:
-    names = list(r["fixed"])
-    base = r["fixed"]["no spec"]
+def _ratio_table(per_key: dict, keys: list[str], header: list[str]) -> list[str]:
+    names = list(per_key[keys[0]])
+    lines = ["| config | " + " | ".join(header) + " |", "|---|" + "---|" * len(keys)]
+    for n in names:
+        cells = []
+        for key in keys:
+            tps, base = per_key[key][n]["tokens_per_s"], per_key[key]["no spec"]["tokens_per_s"]
+            cells.append(f"{tps:.0f} ({tps / base:.2f}x)")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def report(r: dict) -> str:
+    a = r["args"]
+    res = r["results"]
     lines = [
         "## Rollout throughput (SmolLM2-135M, CPU)",
         "",
         f"Measured with `python benchmarks/rollout_throughput.py` on {r['hardware']}, "
-        f"k_max = {r['k_max']}, profiled C_peak = {r['c_peak']:.0f} tokens. Median of "
-        f"{r['args']['repeats']} interleaved repeats; every configuration in one run.",
-        "",
-        f"### Fixed concurrency: generated tokens/s (ratio to no speculation), {r['args']['tokens']} tokens per request, greedy",
-        "",
-        "| config | " + " | ".join(f"B={b}" for b in batch_sizes) + " |",
-        "|---|" + "---|" * len(batch_sizes),
+        f"k_max = {r['k_max']}, default head (reduced vocabulary), profiled C_peak = "
+        f"{r['c_peak']:.0f} tokens. Median of {a['repeats']} interleaved repeats; every "
+        "configuration in one run, each from its own estimator and an empty prefix cache. "
+        "Generated tokens/s (ratio to no speculation).",
     ]
-    for n in names:
-        cells = [
-            f"{r['fixed'][n][b]['tokens_per_s']:.0f} ({r['fixed'][n][b]['tokens_per_s'] / base[b]['tokens_per_s']:.2f}x)"
-            for b in batch_sizes
+    fixed = res.get("fixed", {})
+    temps = sorted({k.split("/")[0] for k in fixed}, key=float)
+    for temp in temps:
+        keys = sorted(
+            (k for k in fixed if k.split("/")[0] == temp), key=lambda k: int(k.split("/")[1])
+        )
+        bs = [k.split("/")[1] for k in keys]
+        label = "greedy" if float(temp) == 0 else f"T={temp}"
+        lines += [
+            "",
+            f"### Fixed concurrency, {label}: {a['tokens']} tokens per request, arithmetic questions",
+            "",
+            *_ratio_table(fixed, keys, [f"B={b}" for b in bs]),
+            "",
         ]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    best_fixed = {
-        b: max(r["fixed"][n][b]["tokens_per_s"] for n in names if n.startswith("k="))
-        for b in batch_sizes
-    }
-    lines += [
-        "",
-        "Ours vs the best fixed k at each B: "
-        + ", ".join(
-            f"B={b}: {r['fixed']['ours'][b]['tokens_per_s'] / best_fixed[b]:.2f}x"
-            for b in batch_sizes
-        )
-        + ".",
-        "",
-    ]
-    g = r["grpo"]
-    a = r["args"]
-    lines += [
-        f"### GRPO-shaped rollout: {a['prompts']} prompts x {a['group']} samples, temperature 1.0, max {a['max_tokens']} tokens",
-        "",
-        "| config | tokens/s | vs no spec | wall s | mean acceptance length |",
-        "|---|---|---|---|---|",
-    ]
-    for n in names:
+        best = {
+            k: max(
+                v["tokens_per_s"] for n, v in fixed[k].items() if n.startswith("k=") and n[2] != "0"
+            )
+            for k in keys
+        }
         lines.append(
-            f"| {n} | {g[n]['tokens_per_s']:.0f} | {g[n]['tokens_per_s'] / g['no spec']['tokens_per_s']:.2f}x | "
-            f"{g[n]['wall_s']:.1f} | {g[n]['mal']:.2f} |"
+            "Ours vs the best fixed k: "
+            + ", ".join(
+                f"B={k.split('/')[1]}: {fixed[k]['ours']['tokens_per_s'] / best[k]:.2f}x"
+                for k in keys
+            )
+            + ". k = 0 with the draft loaded vs no speculation, with the free-k=0 patch / as vLLM ships it: "
+            + ", ".join(
+                f"B={k.split('/')[1]}: "
+                + " / ".join(
+                    f"{fixed[k][n]['tokens_per_s'] / fixed[k]['no spec']['tokens_per_s']:.2f}x"
+                    for n in ("k=0 (draft loaded)", "k=0, vLLM as shipped")
+                )
+                for k in keys
+            )
+            + "."
         )
+    outside = res.get("outside", {})
+    if outside:
+        keys = sorted(outside, key=lambda k: (float(k.split("/")[0]), int(k.split("/")[1])))
+        header = [
+            f"{'greedy' if float(k.split('/')[0]) == 0 else 'T=' + k.split('/')[0]}, B={k.split('/')[1]}"
+            for k in keys
+        ]
+        lines += [
+            "",
+            f"### Prompts outside the head's task (general instructions), {a['tokens']} tokens per request",
+            "",
+            *_ratio_table(outside, keys, header),
+        ]
+    grpo = res.get("grpo", {})
+    for shape, per in grpo.items():
+        policy, n_prompts, group, cap = SHAPES[shape]
+        what = (
+            f"the policy after {a['trained_iterations']} iterations of `grpo-specdec train` "
+            f"at lr {a['trained_lr']:g}, with its online head"
+            if policy == "trained"
+            else "SmolLM2 as shipped, the bootstrapped head"
+        )
+        few = per["ours"].get("few_in_flight_share", 0.0)
+        lines += [
+            "",
+            f"### GRPO shape `{shape}`: {n_prompts} prompts x {group} samples, T=1, max {cap} tokens; {what}",
+            "",
+            f"Share of wall time with at most {FEW_IN_FLIGHT} sequences in flight (ours): {few:.0%}.",
+            "",
+            "| config | tokens/s | vs no spec | wall s | mean acceptance length |",
+            "|---|---|---|---|---|",
+        ]
+        base = per["no spec"]["tokens_per_s"]
+        for n, v in per.items():
+            lines.append(
+                f"| {n} | {v['tokens_per_s']:.0f} | {v['tokens_per_s'] / base:.2f}x | "
+                f"{v['wall_s']:.1f} | {v['mal']:.2f} |"
+            )
     lines += [
         "",
-        f"Static table used: `{r['static_table']}` (from the profile and acceptance "
-        f"{[round(x, 2) for x in r['calibration_conditional_acceptance']]} measured once at k={r['k_max']}).",
+        "Static tables used: "
+        + "; ".join(f"{p}: `{t}`" for p, t in r["static_tables"].items())
+        + " (from the profile and acceptance measured once at k_max on that policy's GRPO rollout).",
         "",
         "![throughput vs B](assets/rollout_throughput_vs_b.png)",
         "",
-        "![k chosen over a GRPO rollout](assets/rollout_k_trace.png)",
+        "![concurrency and k over each GRPO rollout](assets/rollout_k_trace.png)",
     ]
     return "\n".join(lines)
 
 
-def plot(r: dict, batch_sizes: list[int]) -> None:
+def plot(r: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for n, per_b in r["fixed"].items():
-        style = "-o" if n in ("ours", "no spec", "paper rule", "static table") else ":."
-        ax.plot(
-            batch_sizes,
-            [per_b[b]["tokens_per_s"] for b in batch_sizes],
-            style,
-            label=n,
-            lw=2 if n == "ours" else 1,
+    fixed = r["results"].get("fixed", {})
+    temps = sorted({k.split("/")[0] for k in fixed}, key=float)
+    fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.5), squeeze=False)
+    for ax, temp in zip(axes[0], temps, strict=True):
+        keys = sorted(
+            (k for k in fixed if k.split("/")[0] == temp), key=lambda k: int(k.split("/")[1])
         )
-    ax.set(
-        xscale="log",
-        xlabel="concurrency B",
-        ylabel="generated tokens/s",
-        title="Fixed-concurrency throughput",
-    )
-    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
-    ax.legend(fontsize=8)
+        bs = [int(k.split("/")[1]) for k in keys]
+        for n in fixed[keys[0]]:
+            style = "-o" if n in ("ours", "no spec", "paper rule", "static table") else ":."
+            ax.plot(
+                bs,
+                [fixed[k][n]["tokens_per_s"] for k in keys],
+                style,
+                label=n,
+                lw=2 if n == "ours" else 1,
+            )
+        ax.set(
+            xscale="log",
+            xlabel="concurrency B",
+            ylabel="generated tokens/s",
+            title=f"Fixed concurrency, {'greedy' if float(temp) == 0 else 'T=' + temp}",
+        )
+        ax.set_xticks(bs, [str(b) for b in bs])
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(ASSETS / "rollout_throughput_vs_b.png", dpi=120)
 
-    fig, axes = plt.subplots(len(r["traces"]), 1, figsize=(8, 2.2 * len(r["traces"])), sharex=True)
-    for ax, (n, trace) in zip(np.atleast_1d(axes), r["traces"].items(), strict=True):
-        if not trace:
-            continue
+    traces = {s: t for s, t in r["traces"].items() if t}
+    if not traces:
+        return
+    fig, axes = plt.subplots(len(traces), 1, figsize=(8, 2.4 * len(traces)), squeeze=False)
+    for ax, (shape, trace) in zip(axes[:, 0], traces.items(), strict=True):
         t0 = trace[0][0]
         t = [x[0] - t0 for x in trace]
-        ax.step(t, [x[2] for x in trace], where="post", label="k chosen", color="C0")
-        ax.set_ylabel(f"{n}\nk")
+        ax.plot(t, [x[1] for x in trace], color="C1", label="sequences in flight B")
+        ax.axhline(FEW_IN_FLIGHT, color="C1", ls=":", lw=1)
+        ax.set_ylabel(f"{shape}\nB")
         ax2 = ax.twinx()
-        ax2.plot(t, [x[1] for x in trace], color="C1", alpha=0.6, label="running B")
-        ax2.set_ylabel("B")
-    np.atleast_1d(axes)[-1].set_xlabel("seconds into the GRPO-shaped rollout")
-    fig.suptitle("k chosen per step (blue) as concurrency (orange) decays")
+        ax2.step(t, [x[2] for x in trace], where="post", color="C0", label="k chosen")
+        ax2.set_ylabel("k")
+    axes[-1, 0].set_xlabel("seconds into the GRPO-shaped rollout (ours)")
+    fig.suptitle("Concurrency B (orange) and k chosen (blue) over each rollout")
     fig.tight_layout()
     fig.savefig(ASSETS / "rollout_k_trace.png", dpi=120)
 
