@@ -37,7 +37,7 @@ import torch
 
 TARGET_VERSION = "0.32.0"
 ENABLED = True  # tests and benchmarks compare with vLLM's always-run path in one process
-MAX_KEPT_BYTES = 256 << 20  # per engine: e.g. 16k positions of a 4096-wide bf16 model
+MAX_KEPT_BYTES = 256 << 20  # per engine: ~32k positions of a 4096-wide bf16 model
 
 
 @dataclass
