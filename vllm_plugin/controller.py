@@ -95,31 +95,36 @@ def _nonnegative_lstsq(features: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_latency(b, k, ms) -> tuple[LatencyModel, float]:
-    """Least-squares fit of step_ms(B, k) to measured steps; returns (model, rms error ms).
+    """Least-squares fit of step_ms(B, k) to measured steps, in relative error; returns
+    (model, rms error ms).
 
-    The knee is searched over 0 and the measured token counts; for each candidate the
-    six linear coefficients are solved non-negative.
+    Relative, because the controller compares steps of one B with each other: an
+    absolute fit lets the 200 ms steps of B = 64 decide, and at B = 1 it got the price of
+    a draft step wrong by half (measured: it drafted k = 5 where k = 3 was fastest). The
+    knee is searched over 0 and the measured token counts; for each candidate the six
+    linear coefficients are solved non-negative.
     """
     b, k, ms = (np.asarray(x, dtype=float) for x in (b, k, ms))
     n = b * (k + 1)
     on = (k > 0).astype(float)
+    weight = 1.0 / ms
     best = None
     for knee in np.unique(np.concatenate([[0.0], n])):
         features = np.stack(
             [np.ones_like(n), np.maximum(n - knee, 0), on, on * b, k, k * b], axis=1
         )
-        coef = _nonnegative_lstsq(features, ms)
-        sse = float(((features @ coef - ms) ** 2).sum())
-        if best is None or sse < best[0] - 1e-9:
+        coef = _nonnegative_lstsq(features * weight[:, None], ms * weight)
+        sse = float((((features @ coef - ms) * weight) ** 2).sum())
+        if best is None or sse < best[0] - 1e-12:
             best = (sse, knee, coef)
-    sse, knee, coef = best[0], best[1], [float(c) for c in best[2]]
+    knee, coef = best[1], [float(c) for c in best[2]]
     flat, slope, s_base, s_per_seq, d_base, d_per_seq = coef
     model = LatencyModel(
         HingeLatency(flat, slope, float(knee)),
         LinearCost(d_base, d_per_seq),
         LinearCost(s_base, s_per_seq),
     )
-    return model, math.sqrt(sse / len(ms))
+    return model, math.sqrt(float(((model.step_ms(b, k) - ms) ** 2).mean()))
 
 
 class AcceptanceEstimator:

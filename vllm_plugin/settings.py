@@ -61,9 +61,10 @@ def hardware_name() -> str:
     return platform.processor() or platform.machine()
 
 
-# Bumped when what a profile measures changes: 2 = steps with k = 0 skip the draft pass
-# (patches/free_k0_v0_32.py) and the fit prices speculating at all.
-PROFILE_FORMAT = 2
+# Bumped when what a profile measures or how it is fitted changes: 2 = steps with k = 0
+# skip the draft pass (patches/free_k0_v0_32.py) and the fit prices speculating at all;
+# 3 = the fit is in relative error.
+PROFILE_FORMAT = 3
 
 
 def profile_key(model: str, dtype, draft: str | None) -> dict:
