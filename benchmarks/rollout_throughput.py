@@ -173,6 +173,12 @@ def main() -> None:
     ap.add_argument("--trained-lr", type=float, default=1e-4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=str(DOCS / "BENCHMARKS.md"))
+    ap.add_argument(
+        "--section",
+        default="rollout-throughput",
+        help="the marked section of --out to write; also names the files in docs/assets",
+    )
+    ap.add_argument("--note", default="", help="a paragraph to put under the section's title")
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -286,11 +292,15 @@ def main() -> None:
         "args": vars(args),
     }
     ASSETS.mkdir(parents=True, exist_ok=True)
-    (ASSETS / "rollout_throughput.json").write_text(json.dumps(report_data, indent=1))
+    (ASSETS / f"{_tag(args.section)}.json").write_text(json.dumps(report_data, indent=1))
     plot(report_data)
     text = report(report_data)
-    write_section(Path(args.out), "rollout-throughput", text)
+    write_section(Path(args.out), args.section, text)
     print(text)
+
+
+def _tag(section: str) -> str:
+    return section.replace("-", "_")
 
 
 def _ratio_table(per_key: dict, keys: list[str], header: list[str]) -> list[str]:
@@ -316,6 +326,7 @@ def report(r: dict) -> str:
         f"{r['c_peak']:.0f} tokens. Median of {a['repeats']} interleaved repeats; every "
         "configuration in one run, each from its own estimator and an empty prefix cache. "
         "Generated tokens/s (ratio to no speculation).",
+        *(["", a["note"]] if a.get("note") else []),
     ]
     fixed = res.get("fixed", {})
     temps = sorted({k.split("/")[0] for k in fixed}, key=float)
@@ -393,15 +404,18 @@ def report(r: dict) -> str:
                 f"| {n} | {v['tokens_per_s']:.0f} | {v['tokens_per_s'] / base:.2f}x | "
                 f"{v['wall_s']:.1f} | {v['mal']:.2f} |"
             )
+    tag = _tag(a.get("section", "rollout-throughput"))
     lines += [
         "",
         "Static tables used: "
         + "; ".join(f"{p}: `{t}`" for p, t in r["static_tables"].items())
         + " (from the profile and acceptance measured once at k_max on that policy's GRPO rollout).",
         "",
-        "![throughput vs B](assets/rollout_throughput_vs_b.png)",
-        "",
-        "![concurrency and k over each GRPO rollout](assets/rollout_k_trace.png)",
+        f"![throughput vs B](assets/{tag}_vs_b.png)",
+        *(
+            ["", f"![concurrency and k over each GRPO rollout](assets/{tag}_k_trace.png)"]
+            * bool(grpo)
+        ),
     ]
     return "\n".join(lines)
 
@@ -438,7 +452,8 @@ def plot(r: dict) -> None:
         ax.set_xticks(bs, [str(b) for b in bs])
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(ASSETS / "rollout_throughput_vs_b.png", dpi=120)
+    tag = _tag(r["args"].get("section", "rollout-throughput"))
+    fig.savefig(ASSETS / f"{tag}_vs_b.png", dpi=120)
 
     traces = {s: t for s, t in r["traces"].items() if t}
     if not traces:
@@ -456,7 +471,7 @@ def plot(r: dict) -> None:
     axes[-1, 0].set_xlabel("seconds into the GRPO-shaped rollout (ours)")
     fig.suptitle("Concurrency B (orange) and k chosen (blue) over each rollout")
     fig.tight_layout()
-    fig.savefig(ASSETS / "rollout_k_trace.png", dpi=120)
+    fig.savefig(ASSETS / f"{tag}_k_trace.png", dpi=120)
 
 
 if __name__ == "__main__":
