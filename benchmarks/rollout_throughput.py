@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 from benchmarks.common import (
     ASSETS,
     DOCS,
+    load_json,
     smollm2,
     smollm2_head,
     smollm2_profile,
@@ -187,7 +188,7 @@ def main() -> None:
     target = smollm2()
     head = smollm2_head(target)
     profile_path = smollm2_profile(target, head, args.k_max)
-    latency = LatencyModel.from_dict(json.loads(profile_path.read_text())["latency"])
+    latency = LatencyModel.from_dict(load_json(profile_path)["latency"])
     models = {"base": (target, head)}
     if any(SHAPES[s][0] == "trained" for s in shapes):
         models["trained"] = trained_policy(args.trained_iterations, args.trained_lr)

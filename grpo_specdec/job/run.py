@@ -263,9 +263,9 @@ class Job:
         }
 
     # ---- one iteration ---------------------------------------------------------------------
-    def step(self) -> dict:
+    def _next_batch(self) -> tuple[list, dict]:
+        """The next iteration's examples and the sampling settings of its rollout."""
         r = self.cfg.rollout
-        t_start = time.perf_counter()
         examples = [self.source.get(self.cursor + i) for i in range(r.prompts_per_iteration)]
         sampling = {
             "n": r.group_size,
@@ -273,6 +273,11 @@ class Job:
             "top_p": r.top_p,
             "max_tokens": r.max_tokens,
         }
+        return examples, sampling
+
+    def step(self) -> dict:
+        t_start = time.perf_counter()
+        examples, sampling = self._next_batch()
         rollout = ray.get(self.rollout.rollout.remote([e.question for e in examples], sampling))
         t_gen = time.perf_counter()
 
@@ -334,7 +339,7 @@ class Job:
         t_end = time.perf_counter()
 
         versions = ray.get(self.rollout.versions.remote())
-        self.cursor += r.prompts_per_iteration
+        self.cursor += len(examples)
         self.iteration += 1
         n_tokens = sum(len(x) for g in rollout.responses for x in g)
         record = {
@@ -486,15 +491,11 @@ class Job:
         """The next batch of prompts rolled out twice, one engine after the other: by the
         job's engine (its speculation, final weights) and by an engine without
         speculation serving the last checkpoint's policy (the same weights)."""
-        r = self.cfg.rollout
         ckpt = latest_checkpoint(self.ckpts)
         if ckpt is None or read_state(ckpt)["iteration"] != self.iteration:
             ckpt = self.checkpoint()
-        prompts = [
-            self.source.get(self.cursor + i).question for i in range(r.prompts_per_iteration)
-        ]
-        sampling = {"n": r.group_size, "temperature": r.temperature, "top_p": r.top_p}
-        sampling["max_tokens"] = r.max_tokens
+        examples, sampling = self._next_batch()
+        prompts = [e.question for e in examples]
         Rollout, _, _ = remote_roles(self.cfg.ray)
         plain_cfg = {**self._engine_cfg, "model": str(ckpt / "policy"), "speculative": None}
         plain = Rollout.remote(plain_cfg, {})
@@ -502,7 +503,7 @@ class Job:
         try:
             runs = {
                 "no speculation": ray.get(plain.rollout.remote(prompts, sampling)),
-                f"speculation: {r.speculation}": ray.get(
+                f"speculation: {self.cfg.rollout.speculation}": ray.get(
                     self.rollout.rollout.remote(prompts, sampling)
                 ),
             }
