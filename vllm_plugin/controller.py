@@ -6,9 +6,10 @@ Goodput of drafting k tokens at live concurrency B (tokens per millisecond):
 
 T(n) is the step latency with n tokens in the target forward (a roofline: flat while
 memory-bound, linear past the knee C_peak), S(B) what a step pays for speculating at all
-(verification by rejection sampling, the draft's metadata; a step with k = 0 pays
-none of it), D(B) the cost of one draft step over B sequences, and E[tokens | k] = 1 + sum_{i<k} prod_{j<=i} p_j with p_j the measured
-conditional acceptance at draft position j. The goodput policy picks the k with the
+(verification by rejection sampling, the draft's metadata; a step with k = 0 pays none
+of it), D(B) the cost of one draft step over B sequences, and
+E[tokens | k] = 1 + sum_{i<k} prod_{j<=i} p_j with p_j the measured conditional
+acceptance at draft position j. The goodput policy picks the k with the
 largest G; the paper's rule and a fixed k sit behind the same interface.
 """
 
