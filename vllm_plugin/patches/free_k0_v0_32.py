@@ -96,7 +96,8 @@ class KeptDraftInputs:
         def pooled(field: str) -> torch.Tensor:  # kept rows, then this step's
             return torch.cat([*(getattr(s, field) for s in self.steps), current[field]])
 
-        pool_positions = pooled("positions").tolist()  # the one device sync
+        pool = {"positions": pooled("positions")}
+        pool_positions = pool["positions"].tolist()  # the one device sync
         kept_rows: dict[str, list[int]] = {}
         row = 0
         for s in self.steps:
@@ -126,7 +127,9 @@ class KeptDraftInputs:
             query_start.append(len(index))
         self.caught_up_positions += len(index) - n
         index_t = torch.tensor(index, device=hidden.device)
-        ids_, pos_, hid_, slot_ = (pooled(f)[index_t] for f in SkippedStep.FIELDS)
+        ids_, pos_, hid_, slot_ = (
+            (pool[f] if f in pool else pooled(f))[index_t] for f in SkippedStep.FIELDS
+        )
         qsl_cpu = torch.tensor(query_start, dtype=cad.query_start_loc_cpu.dtype)
         lens = [b - a for a, b in zip(query_start, query_start[1:])]
         new_cad = cad.replace(
