@@ -98,6 +98,8 @@ class Config:
     policy: object = None  # a Policy, or vLLM's dense batch-size -> k list
     acceptance: AcceptanceEstimator | None = None
     free_k0: bool = True  # False: steps with k = 0 run the draft pass, as vLLM ships it
+    group: bool = False  # the engine drafts from the group's text; its state is reset per run
+    with_history: bool = False  # ... and starts each run from an earlier rollout's answers
 
 
 def run(engine: Engine, prompts: list[str], sampling: SamplingSettings) -> dict:
@@ -109,12 +111,22 @@ def run(engine: Engine, prompts: list[str], sampling: SamplingSettings) -> dict:
     }
 
 
-def run_config(config: Config, prompts: list[str], sampling: SamplingSettings) -> dict:
+def run_config(
+    config: Config, prompts: list[str], sampling: SamplingSettings, history=None
+) -> dict:
     """One run from this configuration's own state: its policy and estimator in the
-    scheduler, and an empty prefix cache (no run reuses another's prefill)."""
+    scheduler, an empty prefix cache (no run reuses another's prefill), and for group
+    drafts an empty history (or, with_history, the answers of `history` only)."""
     config.engine.llm.reset_prefix_cache()
+    if config.group:
+        config.engine.group_draft_reset()
+        if config.with_history and history is not None:
+            config.engine.group_draft_add_history(history)
     if config.policy is None:
-        return run(config.engine, prompts, sampling)
+        out = run(config.engine, prompts, sampling)
+        if config.group:
+            out["group"] = config.engine.group_draft_stats()["sources"]
+        return out
     scheduler = config.engine.scheduler()
     scheduler.set_policy(config.policy, config.acceptance)
     mark = scheduler.steps_scheduled
@@ -124,7 +136,24 @@ def run_config(config: Config, prompts: list[str], sampling: SamplingSettings) -
     finally:
         free_k0_v0_32.ENABLED = True
     out["trace"] = [(t, b, k) for t, b, k, _ in scheduler.steps_since(mark)]
+    if config.group:
+        out["group"] = config.engine.group_draft_stats()["sources"]
     return out
+
+
+def group_configs(
+    group_only: Engine, hybrid: Engine, latency: LatencyModel, max_batch: int
+) -> dict[str, Config]:
+    """Drafts from the group's text: alone (no draft model; vLLM's model-free ngram host),
+    and next to the EAGLE head under our controller, each with its own estimator."""
+    ours = hybrid.scheduler().new_acceptance()
+    return {
+        "group": Config(group_only, group=True),
+        "group +history": Config(group_only, group=True, with_history=True),
+        "hybrid +history": Config(
+            hybrid, GoodputPolicy(latency, ours, max_batch), ours, group=True, with_history=True
+        ),
+    }
 
 
 def few_in_flight_share(trace: list) -> float:
@@ -173,6 +202,13 @@ def main() -> None:
     ap.add_argument("--trained-iterations", type=int, default=12)
     ap.add_argument("--trained-lr", type=float, default=1e-4)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--group",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also compare drafts from the group's text (alone and with EAGLE)",
+    )
+    ap.add_argument("--group-k-max", type=int, default=8, help="longest group-only draft")
     ap.add_argument("--out", default=str(DOCS / "BENCHMARKS.md"))
     ap.add_argument(
         "--section",
@@ -210,13 +246,19 @@ def main() -> None:
         sampling = SamplingSettings(n=group, temperature=1.0, max_tokens=cap)
         workloads.append(("grpo", shape, policy, prompts, sampling))
 
-    configs, engines, tables, calibration = {}, [], {}, {}
+    # One policy at a time (its engines, then the next policy's): every configuration of a
+    # workload still runs side by side, interleaved, in each repeat.
+    results: dict[str, dict[str, dict[str, list[dict]]]] = {}
+    tables, calibration = {}, {}
     for name, (model, draft) in models.items():
-        if not any(w[2] == name for w in workloads):
+        own_workloads = [w for w in workloads if w[2] == name]
+        if not own_workloads:
             continue
         common = dict(
             model=model, max_model_len=1024, max_num_seqs=max_batch, kv_cache_gib=1.5, seed=0
         )
+        controller = {"policy": "goodput", "profile": str(profile_path)}
+        with_group = {**controller, "group": {"enabled": True}}
         plain = Engine(EngineConfig(**common))
         spec = Engine(
             EngineConfig(
@@ -225,15 +267,34 @@ def main() -> None:
                     "draft": draft,
                     "k": args.k_max,
                     "concurrency_aware": True,
-                    "controller": {"policy": "goodput", "profile": str(profile_path)},
+                    "controller": controller,
                 },
             )
         )
-        engines += [plain, spec]
+        engines = [plain, spec]
+        if args.group:
+            group_only = Engine(
+                EngineConfig(
+                    **common,
+                    speculative={"draft": None, "k": args.group_k_max, "controller": with_group},
+                )
+            )
+            hybrid = Engine(
+                EngineConfig(
+                    **common,
+                    speculative={
+                        "draft": draft,
+                        "k": args.k_max,
+                        "concurrency_aware": True,
+                        "controller": with_group,
+                    },
+                )
+            )
+            engines += [group_only, hybrid]
         # Calibrate the static table the way a user would: measure acceptance once at
         # k_max, on this policy's own GRPO-shaped rollout.
         spec.scheduler().set_policy(FixedPolicy(args.k_max))
-        own = [w for w in workloads if w[0] == "grpo" and w[2] == name]
+        own = [w for w in own_workloads if w[0] == "grpo"]
         calib_prompts, calib_sampling = (
             (own[0][3], own[0][4])
             if own
@@ -243,23 +304,26 @@ def main() -> None:
         conditional = conditional_from_cumulative(measured["per_position_acceptance"])
         calibration[name] = conditional.tolist()
         tables[name] = static_table(latency, conditional, args.k_max, max_batch)
-        configs[name] = compared_configs(plain, spec, latency, tables[name], args.k_max, max_batch)
-
-    results: dict[str, dict[str, dict[str, list[dict]]]] = {}
-    for rep in range(args.repeats):
-        if rep == 0:  # warm every engine and estimator before timing
-            for per_policy in configs.values():
-                for config in per_policy.values():
-                    run_config(
-                        config, questions[:4], SamplingSettings(max_tokens=8, ignore_eos=True)
-                    )
-        for section, key, policy, prompts, sampling in workloads:
-            for name, config in configs[policy].items():
-                runs = results.setdefault(section, {}).setdefault(key, {}).setdefault(name, [])
-                runs.append(run_config(config, prompts, sampling))
-            print(f"repeat {rep + 1}/{args.repeats}: {section} {key} done", flush=True)
-    for engine in engines:
-        engine.shutdown()
+        configs = compared_configs(plain, spec, latency, tables[name], args.k_max, max_batch)
+        if args.group:
+            configs.update(group_configs(group_only, hybrid, latency, max_batch))
+        # "+history": the answers of an earlier rollout of the same prompts by this policy
+        # (as in a GRPO epoch that comes back to them), made once with no speculation.
+        history = {
+            (section, key): plain.generate(prompts, sampling)
+            for section, key, _, prompts, sampling in own_workloads
+            if section == "grpo" and args.group
+        }
+        for config in configs.values():  # warm every engine and estimator before timing
+            run_config(config, questions[:4], SamplingSettings(max_tokens=8, ignore_eos=True))
+        for rep in range(args.repeats):
+            for section, key, _, prompts, sampling in own_workloads:
+                for cname, config in configs.items():
+                    runs = results.setdefault(section, {}).setdefault(key, {}).setdefault(cname, [])
+                    runs.append(run_config(config, prompts, sampling, history.get((section, key))))
+                print(f"{name} repeat {rep + 1}/{args.repeats}: {section} {key} done", flush=True)
+        for engine in engines:
+            engine.shutdown()
 
     def summary(runs: list[dict]) -> dict:
         out = {
@@ -267,6 +331,12 @@ def main() -> None:
             "wall_s": statistics.median(r["wall_s"] for r in runs),
             "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
         }
+        if "group" in runs[-1]:
+            for source in runs[-1]["group"]:
+                for what in ("draft_tokens", "accepted_tokens"):
+                    out[f"{source}_{what}"] = statistics.median(
+                        r["group"][source][what] for r in runs
+                    )
         if "trace" in runs[-1]:
             out["few_in_flight_share"] = statistics.median(
                 few_in_flight_share(r["trace"]) for r in runs
@@ -396,14 +466,21 @@ def report(r: dict) -> str:
             "",
             f"Share of wall time with at most {FEW_IN_FLIGHT} sequences in flight (ours): {few:.0%}.",
             "",
-            "| config | tokens/s | vs no spec | wall s | mean acceptance length |",
-            "|---|---|---|---|---|",
+            "| config | tokens/s | vs no spec | wall s | mean acceptance length "
+            "| group tokens drafted / accepted | model tokens drafted / accepted |",
+            "|---|---|---|---|---|---|---|",
         ]
         base = per["no spec"]["tokens_per_s"]
         for n, v in per.items():
+            by_source = [
+                f"{v[f'{s}_draft_tokens']:.0f} / {v[f'{s}_accepted_tokens']:.0f}"
+                if f"{s}_draft_tokens" in v
+                else ""
+                for s in ("group", "model")
+            ]
             lines.append(
                 f"| {n} | {v['tokens_per_s']:.0f} | {v['tokens_per_s'] / base:.2f}x | "
-                f"{v['wall_s']:.1f} | {v['mal']:.2f} |"
+                f"{v['wall_s']:.1f} | {v['mal']:.2f} | " + " | ".join(by_source) + " |"
             )
     tag = _tag(a.get("section", "rollout-throughput"))
     lines += [

@@ -39,7 +39,10 @@ _LIVE_IN_PROCESS: weakref.WeakSet = weakref.WeakSet()
 
 
 class SpeculativeSettings(StrictModel):
-    draft: str = Field(description="folder of an EAGLE draft head in vLLM's checkpoint format")
+    draft: str | None = Field(
+        description="folder of an EAGLE draft head in vLLM's checkpoint format; null: no "
+        "draft model, only drafts from the group's text (controller.group.enabled)"
+    )
     k: int = Field(3, ge=1, le=16, description="draft tokens per step (the most, when adaptive)")
     concurrency_aware: bool = Field(False, description="choose k each step with the controller")
     controller: ControllerSettings = ControllerSettings()
@@ -52,6 +55,16 @@ class SpeculativeSettings(StrictModel):
     def _one_k_source(self) -> SpeculativeSettings:
         if self.concurrency_aware and self.batch_size_table:
             raise ValueError("concurrency_aware and batch_size_table both choose k; use one")
+        if self.draft is None and not self.controller.group.enabled:
+            raise ValueError(
+                "speculative.draft is null, so drafts can only come from the group's text: "
+                "set speculative.controller.group.enabled=true (or name a draft)"
+            )
+        if self.draft is None and self.concurrency_aware:
+            raise ValueError(
+                "concurrency_aware chooses the draft model's k; with speculative.draft null the "
+                "group drafter sizes every draft itself"
+            )
         return self
 
 
@@ -212,16 +225,18 @@ class Engine:
             kwargs["per_request_spec_decode_metrics"] = "detailed"
         spec = cfg.speculative
         if spec is not None:
-            kwargs["speculative_config"] = {
-                "method": draft_method(spec.draft),
-                "model": spec.draft,
-                "num_speculative_tokens": spec.k,
-            }
+            kwargs["speculative_config"] = (
+                {"method": draft_method(spec.draft), "model": spec.draft}
+                if spec.draft
+                # No draft model: vLLM's model-free `ngram` proposer hosts the group drafts.
+                else {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 1}
+            )
+            kwargs["speculative_config"]["num_speculative_tokens"] = spec.k
             table = spec.batch_size_table
+            # The controller and the group drafter live in the engine core's process
+            # (this one or a child); their settings travel in the environment.
+            os.environ[CONTROLLER_ENV] = spec.controller.to_env()
             if spec.concurrency_aware:
-                # The controller lives in the scheduler, in whichever process runs the
-                # engine core; its settings travel in the environment.
-                os.environ[CONTROLLER_ENV] = spec.controller.to_env()
                 kwargs["scheduler_cls"] = self.SCHEDULER
                 # Tell vLLM k varies per step (it sizes CUDA graphs for every k).
                 table = [(1, cfg.max_num_seqs, spec.k)]
@@ -349,6 +364,23 @@ class Engine:
         if self.cfg.engine_process != "in_process":
             raise RuntimeError("the scheduler lives in another process; use an in_process engine")
         return self.llm.llm_engine.engine_core.engine_core.scheduler
+
+    def group_draft_stats(self) -> dict | None:
+        """The group drafter's counts since the engine started: drafts and accepted tokens
+        per source ("model", "group"), history size; None when group drafts are off."""
+        return self.llm.collective_rpc("grpo_group_draft_stats")[0]
+
+    def group_draft_reset(self) -> None:
+        """Empty the group drafter's history and calibration (group drafts must be on)."""
+        self.llm.collective_rpc("grpo_group_draft_reset")
+
+    def group_draft_add_history(self, result: GenerationResult) -> None:
+        """Give the group drafter the answers of a generation made elsewhere (another
+        engine, an earlier run) as finished rollouts of their prompts."""
+        outputs = [[s.token_ids for s in group] for group in result.outputs]
+        self.llm.collective_rpc(
+            "grpo_group_draft_add_history", args=(result.prompt_token_ids, outputs)
+        )
 
     def weight_versions(self) -> dict[str, int]:
         return self.llm.collective_rpc("grpo_weight_versions")[0]

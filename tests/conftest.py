@@ -10,6 +10,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,19 @@ def questions() -> list[str]:
     from grpo_specdec.tasks.arithmetic import make_problems
 
     return [p.question for level in (1, 2, 3) for p in make_problems(6, seed=123, level=level)]
+
+
+def assert_same_distribution(lhs, rhs, positions: range, samples: int) -> None:
+    """Per prompt and position, the tokens of two T = 1 generations (`samples` each) are
+    as close as two samples of one distribution: total variation below 0.4. Two samples
+    of 200 from one distribution over the tiny vocabulary differ by ~0.15-0.25; a sampler
+    that ignored the temperature (greedy) or the target puts all on one token: ~0.7+."""
+    for position in positions:
+        for prompt in range(len(lhs.outputs)):
+            a = Counter(s.token_ids[position] for s in lhs.outputs[prompt])
+            b = Counter(s.token_ids[position] for s in rhs.outputs[prompt])
+            tv = 0.5 * sum(abs(a[t] - b[t]) for t in a.keys() | b.keys()) / samples
+            assert tv < 0.4, (position, prompt, tv)
 
 
 # ---- the GRPO job on tiny models -------------------------------------------------------

@@ -6,7 +6,8 @@ opt-in by configuration. What it does unasked is patch vLLM 0.32 (see `patches/`
 module each): on CPU, sampled speculative decoding that was not lossless and cost too
 much, engine starts that recompiled every time, aborted at random, or failed after numba
 was imported; everywhere, a draft pass that ran on steps drafting nothing (it now runs
-lazily, catching up when drafting resumes). Set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM
+lazily, catching up when drafting resumes); and, when configured, drafts from a GRPO
+group's text join the engine's own (its one per-step hook, `take_draft_token_ids`). Set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM
 untouched.
 """
 
@@ -35,6 +36,7 @@ def register() -> None:
         cpu_onednn_release_v0_32,
         cpu_rejection_sample_v0_32,
         free_k0_v0_32,
+        group_drafts_v0_32,
     )
 
     for patch in (
@@ -44,6 +46,7 @@ def register() -> None:
         cpu_compile_cache_v0_32,
         cpu_kernel_scan_v0_32,
         free_k0_v0_32,
+        group_drafts_v0_32,
     ):
         name = patch.__name__.rsplit(".", 1)[1]
         if name in PATCHED or name in SKIPPED:

@@ -13,11 +13,9 @@ lookup is replaced by the controller. Acceptance feeds back through
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
-from collections import deque
-from pathlib import Path
+from collections import Counter, deque
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -26,11 +24,11 @@ from vllm_plugin.controller import (
     AcceptanceEstimator,
     FixedPolicy,
     GoodputPolicy,
-    LatencyModel,
     PaperPolicy,
     Policy,
 )
-from vllm_plugin.settings import ControllerSettings, profile_key, store_path
+from vllm_plugin.group_drafter import MODEL
+from vllm_plugin.settings import ControllerSettings, load_latency
 
 logger = logging.getLogger(__name__)
 
@@ -63,23 +61,6 @@ def _ensure_registered(collector) -> None:
     registry = prometheus_client.REGISTRY
     if collector not in registry._collector_to_names:
         registry.register(collector)
-
-
-def load_latency(settings: ControllerSettings, vllm_config) -> LatencyModel:
-    spec = vllm_config.speculative_config
-    key = profile_key(
-        vllm_config.model_config.model,
-        vllm_config.model_config.dtype,
-        spec.model if spec else None,
-    )
-    path = Path(settings.profile) if settings.profile else store_path(key)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no latency profile at {path} for {key}; run `grpo-specdec profile --model "
-            f"{vllm_config.model_config.model} --draft {spec.model if spec else 'DRAFT'}` first, "
-            f"or name a profile in the GRPO_SPECDEC_CONTROLLER settings"
-        )
-    return LatencyModel.from_dict(json.loads(path.read_text())["latency"])
 
 
 def build_policy(
@@ -118,6 +99,10 @@ class ConcurrencyAwareMixin:
             )
         self.controller_settings = ControllerSettings.from_env()
         self.acceptance = self.new_acceptance()
+        # Which drafter made each request's pending drafts (patches/group_drafts_v0_32.py
+        # says; without it every draft is the model's), so k is priced on the model's.
+        self.draft_sources: dict[str, str] = {}
+        self.verified_by_source: Counter = Counter()  # request-steps with drafts verified
         self.set_policy(build_policy(self.controller_settings, self.acceptance, self.vllm_config))
         # (monotonic time, running requests, k, decode-only step), one per step.
         self.step_trace: deque = deque(maxlen=self.controller_settings.trace_steps)
@@ -173,6 +158,12 @@ class ConcurrencyAwareMixin:
             self._k_metric.observe(k)
         return out
 
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        sources = getattr(draft_token_ids, "grpo_sources", None)
+        if sources is not None:
+            self.draft_sources = dict(zip(draft_token_ids.req_ids, sources))
+        super().update_draft_token_ids(draft_token_ids)
+
     def make_spec_decoding_stats(
         self,
         spec_decoding_stats,
@@ -182,7 +173,10 @@ class ConcurrencyAwareMixin:
         request_id,
     ):
         invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)
+        source = self.draft_sources.get(request_id, MODEL)
         if num_draft_tokens - invalid > 0:
+            self.verified_by_source[source] += 1
+        if num_draft_tokens - invalid > 0 and source == MODEL:
             self.acceptance.observe(num_draft_tokens - invalid, num_accepted_tokens)
         return super().make_spec_decoding_stats(
             spec_decoding_stats,

@@ -20,6 +20,25 @@ from pydantic import BaseModel, ConfigDict, Field
 ENV = "GRPO_SPECDEC_CONTROLLER"
 
 
+class GroupDraftSettings(BaseModel):
+    """Drafts from the text of a GRPO group (see vllm_plugin/group_drafter.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    max_match: int = Field(4, ge=1, le=16, description="longest context suffix matched, tokens")
+    history_positions: int = Field(
+        300_000,
+        ge=0,
+        description="tokens indexed over all prompts, finished rollouts included (~0.7 KB "
+        "each at max_match 4)",
+    )
+    history_versions: int = Field(
+        1, ge=0, description="rollouts of this many earlier policy versions stay (0: current only)"
+    )
+    min_confidence: float = Field(0.05, ge=0, le=1, description="no group token below this")
+
+
 class ControllerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -30,6 +49,7 @@ class ControllerSettings(BaseModel):
     acceptance_prior: float = Field(0.6, gt=0, lt=1)
     acceptance_decay: float = Field(0.97, gt=0, le=1)
     trace_steps: int = Field(100_000, ge=0, description="per-step (time, B, k) records kept")
+    group: GroupDraftSettings = GroupDraftSettings()
 
     @classmethod
     def from_env(cls) -> ControllerSettings:
@@ -106,3 +126,24 @@ def profile_store() -> Path:
 def store_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return profile_store() / f"{digest}.json"
+
+
+def load_latency(settings: ControllerSettings, vllm_config):
+    """The latency model of the profile the settings name, or of the one stored for this
+    engine's model, dtype, draft and hardware."""
+    from vllm_plugin.controller import LatencyModel
+
+    spec = vllm_config.speculative_config
+    key = profile_key(
+        vllm_config.model_config.model,
+        vllm_config.model_config.dtype,
+        spec.model if spec else None,
+    )
+    path = Path(settings.profile) if settings.profile else store_path(key)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no latency profile at {path} for {key}; run `grpo-specdec profile --model "
+            f"{vllm_config.model_config.model} --draft {spec.model if spec else 'DRAFT'}` first, "
+            f"or name a profile in the GRPO_SPECDEC_CONTROLLER settings"
+        )
+    return LatencyModel.from_dict(json.loads(path.read_text())["latency"])

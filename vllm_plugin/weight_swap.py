@@ -107,6 +107,9 @@ class WeightSwapExtension:
         state["versions"][role] = version
         state["last_good"][role] = [path]
         state["mixed"].pop(role, None)
+        drafter = getattr(self.model_runner, "_grpo_group", None)
+        if role == "policy" and drafter is not None:
+            drafter.new_policy_version(version)
         return {"version": version, "validate_s": t1 - t0, "load_s": time.perf_counter() - t1}
 
     def _grpo_restore(self, role: str, failure: str) -> None:
@@ -140,6 +143,27 @@ class WeightSwapExtension:
     def grpo_mixed_weights(self) -> dict[str, str]:
         """Role -> why its weights may be a mix; empty while every role holds a whole set."""
         return dict(self._grpo_state()["mixed"])
+
+    def _grpo_group_drafter(self):
+        drafter = getattr(self.model_runner, "_grpo_group", None)
+        if drafter is None:
+            raise RuntimeError("group drafts are off in this engine (controller.group.enabled)")
+        return drafter
+
+    def grpo_group_draft_stats(self) -> dict | None:
+        """Counts of the group drafter (drafts and acceptance per source, history size);
+        None when group drafts are off."""
+        drafter = getattr(self.model_runner, "_grpo_group", None)
+        return None if drafter is None else drafter.snapshot()
+
+    def grpo_group_draft_reset(self) -> None:
+        self._grpo_group_drafter().reset()
+
+    def grpo_group_draft_add_history(self, prompts: list[list[int]], outputs) -> None:
+        """outputs[i]: finished answers (token lists) to prompts[i]."""
+        drafter = self._grpo_group_drafter()
+        for prompt, answers in zip(prompts, outputs, strict=True):
+            drafter.add_history(prompt, answers)
 
     def grpo_weight_versions(self) -> dict[str, int]:
         return dict(self._grpo_state()["versions"])

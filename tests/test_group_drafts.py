@@ -1,0 +1,251 @@
+"""Drafts from a GRPO group's text: the index and the per-step choice on their own, then
+inside real vLLM engines on tiny models (group drafts alone, and next to EAGLE)."""
+
+from __future__ import annotations
+
+import json
+import random
+import tracemalloc
+
+import pytest
+
+from grpo_specdec.engine import Engine, SamplingSettings
+from tests.conftest import assert_same_distribution, tiny_engine_config
+from vllm_plugin.controller import FrozenAcceptance, HingeLatency, LatencyModel, LinearCost
+from vllm_plugin.group_drafter import GROUP, MODEL, GroupDrafter
+from vllm_plugin.suffix_index import GroupHistory, GroupIndex
+
+# ---- the index ---------------------------------------------------------------------------
+
+
+def test_draft_follows_the_most_common_continuation_of_the_longest_match():
+    index = GroupIndex(max_match=3)
+    index.add_sequence([1, 2, 3, 4, 5])
+    index.add_sequence([9, 2, 3, 4, 6])
+    index.add_sequence([7, 2, 3, 4, 5])
+    draft = index.draft([0, 2, 3, 4], max_len=3)
+    # "2 3 4" was followed by 5 twice and 6 once: 5 wins, then nothing follows.
+    assert draft.tokens == [5]
+    assert draft.match_len == 3
+    assert draft.confidence == [pytest.approx(2 / 4)]
+    # A longer match decides over a shorter, more frequent one.
+    index.add_sequence([8, 8, 3, 4, 7, 7])
+    index.add_sequence([8, 8, 3, 4, 7, 7])
+    assert index.draft([8, 3, 4], max_len=2).tokens == [7, 7]
+    assert index.draft([3, 4], max_len=1).tokens in ([5], [7])
+    assert index.draft([42], max_len=3).tokens == []
+
+
+def test_confidence_stops_the_draft_where_continuations_disagree():
+    index = GroupIndex(max_match=2)
+    for tail in ([5, 6], [5, 7], [5, 8], [5, 9]):
+        index.add_sequence([1, 2, *tail])
+    draft = index.draft([1, 2], max_len=4)
+    assert draft.tokens[0] == 5 and draft.confidence[0] == pytest.approx(4 / 5)
+    assert draft.confidence[1] == pytest.approx(1 / 5)
+    assert index.draft([1, 2], max_len=4, min_confidence=0.5).tokens == [5]
+
+
+def test_old_policy_versions_age_out():
+    index = GroupIndex(max_match=2)
+    index.add_sequence([1, 2, 3], version=0)
+    index.add_sequence([1, 2, 4], version=1)
+    index.drop_versions_before(1)
+    assert index.draft([1, 2], 1).tokens == [4]
+    assert index.positions == 3
+
+
+def test_history_stays_within_its_budget_and_keeps_groups_in_use():
+    history = GroupHistory(max_positions=100, max_match=2)
+    for prompt in range(10):
+        history.group((prompt,)).add_sequence(list(range(30)))
+    history.evict(in_use={(0,)})
+    assert history.positions <= 100
+    assert (0,) in history.groups and history.evicted_groups >= 7
+
+
+@pytest.mark.parametrize("vocab", [50, 20000])  # repetitive text, and all n-grams new
+def test_the_index_reports_the_memory_it_takes(vocab):
+    rng = random.Random(0)
+    sequences = [[rng.randrange(vocab) for _ in range(500)] for _ in range(20)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = GroupIndex(max_match=4)
+    for seq in sequences:
+        index.add_sequence(seq)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert 0.7 * used < index.approx_bytes < 1.3 * used, (used, index.approx_bytes)
+
+
+# ---- the per-step choice -----------------------------------------------------------------
+
+
+def _drafter(latency: LatencyModel, model_acceptance=None) -> GroupDrafter:
+    return GroupDrafter(latency, k_max=4, max_match=2, model_acceptance=model_acceptance)
+
+
+def _rows(drafter: GroupDrafter, n: int, output):
+    prompt = (1, 2, 3)
+    group = drafter.history.group(prompt)
+    group.add_sequence(prompt)
+    for _ in range(6):  # finished rollouts that all went 3 -> 10 11 12 13
+        group.add_sequence([2, 3, 10, 11, 12, 13])
+    return [(f"r{i}", prompt, list(output)) for i in range(n)]
+
+
+FLAT = LatencyModel(HingeLatency(10.0, 0.0, 0.0), LinearCost(0.5, 0.0))
+STEEP = LatencyModel(HingeLatency(1.0, 1.0, 0.0), LinearCost(0.5, 0.0))
+
+
+def test_group_tokens_are_drafted_while_verifying_them_is_free():
+    drafter = _drafter(FLAT)
+    drafts, sources = drafter.propose(_rows(drafter, 4, []), [[]] * 4)
+    assert sources == [GROUP] * 4
+    assert drafts == [[10, 11, 12, 13]] * 4
+
+
+def test_where_every_verified_token_costs_a_full_token_none_pays():
+    drafter = _drafter(STEEP)
+    drafts, _ = drafter.propose(_rows(drafter, 4, []), [[]] * 4)
+    assert drafts == [[]] * 4
+
+
+def test_a_request_takes_the_source_with_more_expected_tokens():
+    sure = FrozenAcceptance([0.99] * 4)
+    drafter = _drafter(FLAT, sure)
+    drafts, sources = drafter.propose(_rows(drafter, 2, []), [[7, 7, 7, 7]] * 2)
+    assert sources == [MODEL, MODEL] and drafts == [[7, 7, 7, 7]] * 2
+    unsure = FrozenAcceptance([0.05] * 4)
+    drafter = _drafter(FLAT, unsure)
+    drafts, sources = drafter.propose(_rows(drafter, 2, []), [[7, 7, 7, 7]] * 2)
+    assert sources == [GROUP, GROUP]
+
+
+def test_outcomes_are_counted_per_source_and_calibrate_the_group_s_confidence():
+    drafter = _drafter(FLAT)
+    rows = _rows(drafter, 1, [])
+    before = drafter.calibration.chances(drafter.history.group((1, 2, 3)).draft([2, 3], 4))
+    for _ in range(30):  # the request keeps generating 10 99 ..., so only one is accepted
+        drafts, _ = drafter.propose(rows, [[]])
+        assert drafts[0][:1] == [10]
+        drafter.propose([("r0", (1, 2, 3), [10, 99])], [[]])
+        drafter.forget(set())
+    after = drafter.calibration.chances(drafter.history.group((1, 2, 3)).draft([2, 3], 4))
+    stats = drafter.snapshot()["sources"][GROUP]
+    assert stats["steps"] == 30 and stats["accepted_tokens"] == 30
+    assert stats["draft_tokens"] > 30
+    assert after[0] > before[0] and after[1] < before[1]
+
+
+# ---- inside vLLM ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> str:
+    # Verification free up to 4096 tokens a step: every group draft pays, whatever the batch.
+    latency = LatencyModel(HingeLatency(40.0, 4.0, 4096.0), LinearCost(0.2, 0.01))
+    path = tmp_path_factory.mktemp("group") / "profile.json"
+    path.write_text(json.dumps({"latency": latency.to_dict()}))
+    return str(path)
+
+
+def _group(profile: str) -> dict:
+    return {"profile": profile, "group": {"enabled": True}}
+
+
+@pytest.fixture(scope="module")
+def group_engine(tiny_target, profile):
+    engine = Engine(
+        tiny_engine_config(
+            tiny_target, speculative={"draft": None, "k": 4, "controller": _group(profile)}
+        )
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hybrid_engine(tiny_target, tiny_draft, profile):
+    speculative = {
+        "draft": tiny_draft,
+        "k": 4,
+        "concurrency_aware": True,
+        "controller": _group(profile),
+    }
+    engine = Engine(tiny_engine_config(tiny_target, speculative=speculative))
+    yield engine
+    engine.shutdown()
+
+
+def _tokens(result) -> list[list[int]]:
+    return [s.token_ids for group in result.outputs for s in group]
+
+
+def _delta(engine, prompts, sampling):
+    """engine.generate, and the group drafter's counts of that call, per source."""
+    before = engine.group_draft_stats()["sources"]
+    result = engine.generate(prompts, sampling)
+    after = engine.group_draft_stats()["sources"]
+    return result, {s: {k: after[s][k] - before[s][k] for k in after[s]} for s in after}
+
+
+def test_group_drafts_alone_keep_greedy_outputs_and_get_accepted(
+    group_engine, plain_engine, questions
+):
+    sampling = SamplingSettings(max_tokens=40, ignore_eos=True)
+    prompts = questions[:8]
+    plain = plain_engine.generate(prompts, sampling)
+    first, _ = _delta(group_engine, prompts, sampling)
+    # The same prompts again: the first answers are now history to draft from.
+    again, used = _delta(group_engine, prompts, sampling)
+    assert _tokens(first) == _tokens(plain) == _tokens(again)
+    assert used[GROUP]["accepted_tokens"] > 0.5 * used[GROUP]["draft_tokens"] > 0
+    assert again.spec["accepted_tokens"] >= used[GROUP]["accepted_tokens"] > 0
+
+
+def test_hybrid_keeps_greedy_outputs_and_uses_both_sources(hybrid_engine, plain_engine, questions):
+    sampling = SamplingSettings(max_tokens=40, ignore_eos=True)
+    prompts = questions[8:16]
+    plain = plain_engine.generate(prompts, sampling)
+    hybrid, used = _delta(hybrid_engine, prompts, sampling)
+    hybrid_again, used_again = _delta(hybrid_engine, prompts, sampling)
+    assert _tokens(hybrid) == _tokens(plain) == _tokens(hybrid_again)
+    assert used[MODEL]["draft_tokens"] > 0
+    assert used_again[GROUP]["accepted_tokens"] > 0
+    # The scheduler learns the model draft's acceptance from its drafts only.
+    verified = hybrid_engine.scheduler().verified_by_source
+    assert verified[GROUP] > 0 and verified[MODEL] > 0
+
+
+def test_group_drafts_keep_the_target_s_distribution_at_temperature_one(
+    group_engine, hybrid_engine, plain_engine, questions
+):
+    sampling = SamplingSettings(n=200, temperature=1.0, max_tokens=6, ignore_eos=True)
+    prompts = questions[:3]
+    plain = plain_engine.generate(prompts, sampling)
+    for engine in (group_engine, hybrid_engine):
+        sampled, used = _delta(engine, prompts, sampling)
+        assert used[GROUP]["draft_tokens"] > 0
+        assert_same_distribution(sampled, plain, range(1, 6), 200)
+
+
+def test_group_drafts_need_a_source(tiny_target):
+    with pytest.raises(ValueError, match="speculative.draft is null"):
+        tiny_engine_config(tiny_target, speculative={"draft": None, "k": 3})
+
+
+def test_history_from_elsewhere_drafts_and_a_reset_forgets_it(
+    group_engine, plain_engine, questions
+):
+    sampling = SamplingSettings(max_tokens=40, ignore_eos=True)
+    prompts = questions[16:18]
+    plain = plain_engine.generate(prompts, sampling)
+    group_engine.group_draft_reset()
+    assert group_engine.group_draft_stats()["history_positions"] == 0
+    group_engine.group_draft_add_history(plain)
+    assert group_engine.group_draft_stats()["history_positions"] > 80
+    result, used = _delta(group_engine, prompts, sampling)
+    assert _tokens(result) == _tokens(plain)
+    # Greedy answers equal to the history: nearly every drafted token is accepted.
+    assert used[GROUP]["accepted_tokens"] > 0.8 * used[GROUP]["draft_tokens"] > 0

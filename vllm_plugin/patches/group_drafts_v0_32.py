@@ -1,0 +1,118 @@
+"""vLLM 0.32.0: drafts from a GRPO group's text, next to the engine's own drafter.
+
+vLLM 0.32 hosts one proposer per engine, and none of its model-free ones sees request
+ids or groups (`ngram` reads a request's own tokens, `custom_class` token rows, `suffix`
+needs Arctic Inference and a fixed draft length). So the plugin hooks the one place
+where every step's drafts pass on their way to the scheduler, `take_draft_token_ids`,
+called after the step's bookkeeping: there each request's prompt and output are
+current, and the drafts the engine's drafter made (EAGLE's k per request, or none) can
+be replaced per request by `GroupDrafter`'s choice. Drafts of any length up to
+`num_speculative_tokens` per request are what vLLM's ngram path already produces; the
+scheduler, the runner and the rejection sampler take them as they are. Every draft is
+verified by the target, so outputs keep its distribution (the drafts are one-hot:
+greedy `draft_sample_method`).
+
+The returned `DraftTokenIds` carries `grpo_sources` (one per request) so the
+concurrency-aware scheduler learns the model draft's acceptance from its own drafts only.
+
+Active when `GRPO_SPECDEC_CONTROLLER` has `group.enabled`; needs synchronous scheduling
+(with async scheduling the runner feeds the model draft's device tensor to the next step
+and never reads these lists), which is vLLM's setting on CPU and for the `ngram` host.
+"""
+
+from __future__ import annotations
+
+import logging
+
+TARGET_VERSION = "0.32.0"
+
+logger = logging.getLogger(__name__)
+
+
+def _build(runner):
+    from vllm_plugin.group_drafter import GroupDrafter
+    from vllm_plugin.settings import ControllerSettings, load_latency
+
+    settings = ControllerSettings.from_env()
+    spec = runner.speculative_config
+    if not settings.group.enabled or spec is None:
+        return None
+    if runner.use_async_scheduling:
+        raise ValueError(
+            "group drafts need synchronous scheduling: start the engine with "
+            "async_scheduling=False (vLLM turns it on by default for EAGLE on GPU)"
+        )
+    if spec.draft_sample_method != "greedy":
+        raise ValueError(
+            f"group drafts are one-hot: speculative_config.draft_sample_method must be "
+            f"'greedy', not {spec.draft_sample_method!r}"
+        )
+    g = settings.group
+    drafter = GroupDrafter(
+        load_latency(settings, runner.vllm_config),
+        runner.num_spec_tokens,
+        max_match=g.max_match,
+        history_positions=g.history_positions,
+        history_versions=g.history_versions,
+        min_confidence=g.min_confidence,
+    )
+    logger.info("group drafts on: k_max %d, %s", runner.num_spec_tokens, g)
+    return drafter
+
+
+def _wrap_take(original):
+    def take_draft_token_ids(self):
+        drafts = original(self)
+        drafter = getattr(self, "_grpo_group", None)
+        if drafter is None:
+            return drafts
+        from vllm.v1.outputs import DraftTokenIds
+
+        model = dict(zip(drafts.req_ids, drafts.draft_token_ids)) if drafts else {}
+        model_drafts = self.speculative_config.use_eagle()
+        rows = []
+        for req_id in self.input_batch.req_ids:
+            state = self.requests.get(req_id)
+            if state is not None and state.prompt_token_ids is not None:
+                rows.append((req_id, state.prompt_token_ids, state.output_token_ids))
+        drafter.forget(set(self.requests))
+        if not rows:
+            return drafts
+        chosen, sources = drafter.propose(
+            rows, [list(model.get(r[0], ())) if model_drafts else [] for r in rows]
+        )
+        out = DraftTokenIds([r[0] for r in rows], chosen)
+        out.grpo_sources = sources
+        return out
+
+    take_draft_token_ids._grpo_original = original
+    return take_draft_token_ids
+
+
+def _wrap_init(original):
+    # Built when the engine starts, from the settings in the environment then (another
+    # engine started later in this process may carry other settings).
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self._grpo_group = _build(self)
+
+    __init__._grpo_original = original
+    return __init__
+
+
+def applies() -> bool:
+    import vllm
+
+    return vllm.__version__ == TARGET_VERSION
+
+
+def apply() -> bool:
+    if not applies():
+        return False
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not hasattr(GPUModelRunner.__init__, "_grpo_original"):
+        GPUModelRunner.__init__ = _wrap_init(GPUModelRunner.__init__)
+    if not hasattr(GPUModelRunner.take_draft_token_ids, "_grpo_original"):
+        GPUModelRunner.take_draft_token_ids = _wrap_take(GPUModelRunner.take_draft_token_ids)
+    return True
