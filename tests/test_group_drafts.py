@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import tracemalloc
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,7 @@ from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import assert_same_distribution, tiny_engine_config
 from vllm_plugin.controller import FrozenAcceptance, HingeLatency, LatencyModel, LinearCost
 from vllm_plugin.group_drafter import GROUP, MODEL, GroupDrafter
+from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.suffix_index import GroupHistory, GroupIndex
 
 # ---- the index ---------------------------------------------------------------------------
@@ -138,6 +140,21 @@ def test_outcomes_are_counted_per_source_and_calibrate_the_group_s_confidence():
     assert after[0] > before[0] and after[1] < before[1]
 
 
+def test_a_policy_swap_ages_out_rollouts_of_older_policies():
+    drafter = GroupDrafter(FLAT, k_max=4, max_match=2, history_versions=1)
+    prompt = (1, 2, 3)
+    drafter.add_history(prompt, [[10, 11]] * 3)
+    drafter.new_policy()  # the previous policy's rollouts stay for one swap
+    drafter.add_history(prompt, [[20, 21]] * 4)
+    index = drafter.history.group(prompt)
+    assert index.draft([2, 3], 2).tokens == [20, 21]
+    assert {s[2] for s in index.sequences[1:]} == {10, 20}
+    drafter.new_policy()
+    index = drafter.history.group(prompt)
+    assert index.sequences[0] == list(prompt)  # the prompt stays
+    assert {s[2] for s in index.sequences[1:]} == {20}
+
+
 # ---- inside vLLM ---------------------------------------------------------------------------
 
 
@@ -228,6 +245,19 @@ def test_group_drafts_keep_the_target_s_distribution_at_temperature_one(
         sampled, used = _delta(engine, prompts, sampling)
         assert used[GROUP]["draft_tokens"] > 0
         assert_same_distribution(sampled, plain, range(1, 6), 200)
+
+
+def test_group_drafts_refuse_engines_they_cannot_serve(monkeypatch, profile):
+    from vllm_plugin.patches.group_drafts_v0_32 import _build
+
+    monkeypatch.setenv(CONTROLLER_ENV, json.dumps(_group(profile)))
+    spec = SimpleNamespace(draft_sample_method="greedy")
+    runner = SimpleNamespace(speculative_config=spec, use_async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling=False"):
+        _build(runner)
+    runner.use_async_scheduling, spec.draft_sample_method = False, "probabilistic"
+    with pytest.raises(ValueError, match="draft_sample_method must be 'greedy'"):
+        _build(runner)
 
 
 def test_group_drafts_need_a_source(tiny_target):

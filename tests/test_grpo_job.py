@@ -52,13 +52,22 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
 
     out = tmp_path / "run"
     cfg = load_yaml(
-        TrainConfig, CONFIG, job_overrides(tiny_target, tiny_draft, job_profile, out, 2)
+        TrainConfig,
+        CONFIG,
+        [
+            *job_overrides(tiny_target, tiny_draft, job_profile, out, 2),
+            "rollout.controller.group.enabled=true",
+        ],
     )
     job = Job(cfg)
     try:
         job.run()
         records = job_records(out)
         assert [r["iteration"] for r in records] == [1, 2]
+        # Group drafts: counted per source, and the engine keeps the rollouts it made.
+        for source in ("model", "group"):
+            assert records[-1][f"{source}_accepted_tokens"] <= records[-1][f"{source}_draft_tokens"]
+        assert records[-1]["group_history_positions"] >= 16 * records[-1]["response_length"]
         for key in (
             "reward_mean",
             "accuracy",

@@ -17,6 +17,7 @@ memory-bound, only near-certain ones when it is compute-bound.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -116,7 +117,7 @@ class GroupDrafter:
         self.history_versions = history_versions
         self.history_positions = history_positions
         self.model_acceptance = model_acceptance or AcceptanceEstimator(k_max)
-        self.version = 0
+        self.version = 0  # policy swaps seen; sequences are tagged with it
         self.reset()
 
     def reset(self) -> None:
@@ -130,7 +131,7 @@ class GroupDrafter:
     def _add_sequence(self, prompt: tuple[int, ...], tokens=()) -> int:
         group = self.history.group(prompt)
         if group.positions == 0:
-            group.add_sequence(prompt, self.version)
+            group.add_sequence(prompt, version=math.inf)  # the prompt never ages out
         # Each answer starts with the prompt's end, so matches reach across the boundary.
         return group.add_sequence([*prompt[-self.max_match :], *tokens], self.version)
 
@@ -165,9 +166,11 @@ class GroupDrafter:
         for req_id in [r for r in self.tracked if r not in alive]:
             del self.tracked[req_id]
 
-    def new_policy_version(self, version: int) -> None:
-        self.version = version
-        self.history.drop_versions_before(version - self.history_versions)
+    def new_policy(self) -> None:
+        """The engine now serves new policy weights: rollouts older than the last
+        `history_versions` swaps age out."""
+        self.version += 1
+        self.history.drop_versions_before(self.version - self.history_versions)
         # Requests still running keep their sequences; re-follow them from scratch.
         self.tracked.clear()
 

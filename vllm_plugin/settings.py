@@ -34,7 +34,9 @@ class GroupDraftSettings(BaseModel):
         "each at max_match 4)",
     )
     history_versions: int = Field(
-        1, ge=0, description="rollouts of this many earlier policy versions stay (0: current only)"
+        1,
+        ge=0,
+        description="rollouts of the policies before this many swaps stay (0: current only)",
     )
     min_confidence: float = Field(0.05, ge=0, le=1, description="no group token below this")
 

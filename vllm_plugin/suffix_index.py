@@ -56,12 +56,12 @@ class GroupIndex:
         self.max_match = max_match
         self.max_occurrences = max_occurrences  # the most recent ones per n-gram are followed
         self.sequences: list[list[int]] = []
-        self.versions: list[int] = []  # policy version that wrote each sequence
+        self.versions: list[float] = []  # policy version that wrote each sequence
         self.table: dict[tuple[int, ...], list[int]] = {}
         self.positions = 0
         self.occurrences = 0
 
-    def add_sequence(self, tokens=(), version: int = 0) -> int:
+    def add_sequence(self, tokens=(), version: float = 0) -> int:
         self.sequences.append([])
         self.versions.append(version)
         seq_id = len(self.sequences) - 1

@@ -109,7 +109,7 @@ class WeightSwapExtension:
         state["mixed"].pop(role, None)
         drafter = getattr(self.model_runner, "_grpo_group", None)
         if role == "policy" and drafter is not None:
-            drafter.new_policy_version(version)
+            drafter.new_policy()
         return {"version": version, "validate_s": t1 - t0, "load_s": time.perf_counter() - t1}
 
     def _grpo_restore(self, role: str, failure: str) -> None:

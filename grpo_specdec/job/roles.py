@@ -36,6 +36,9 @@ class Rollout:
     spec: dict
     wall_s: float
     k_steps: dict[int, int]  # steps per k chosen during this rollout
+    # With group drafts: draft and accepted tokens per source ("model", "group") in this
+    # rollout, and the history the drafter holds after it.
+    sources: dict | None = None
 
 
 class RolloutWorker:
@@ -48,6 +51,7 @@ class RolloutWorker:
     def rollout(self, prompts: list[str], sampling: dict) -> Rollout:
         scheduler = self._aware_scheduler()
         mark = scheduler.steps_scheduled if scheduler is not None else 0
+        before = self.engine.group_draft_stats() if self.engine.cfg.speculative else None
         res = self.engine.generate(prompts, SamplingSettings.model_validate(sampling))
         k_steps: dict[int, int] = {}
         for _, _, k, _ in scheduler.steps_since(mark) if scheduler is not None else []:
@@ -59,6 +63,7 @@ class RolloutWorker:
             res.spec,
             res.wall_s,
             k_steps,
+            before and _source_counts(before, self.engine.group_draft_stats()),
         )
 
     def _aware_scheduler(self):
@@ -81,6 +86,19 @@ class RolloutWorker:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _source_counts(before: dict, after: dict) -> dict:
+    """Flat counts for the metrics: {source}_draft_tokens / _accepted_tokens over one
+    rollout, and the group history's size after it."""
+    counts = {
+        f"{source}_{what}": after["sources"][source][what] - before["sources"][source][what]
+        for source in after["sources"]
+        for what in ("draft_tokens", "accepted_tokens")
+    }
+    counts["group_history_positions"] = after["history_positions"]
+    counts["group_history_mib"] = after["history_bytes"] / 2**20
+    return counts
 
 
 # ---- policy ---------------------------------------------------------------------------

@@ -360,6 +360,7 @@ class Job:
             "mean_acceptance_length": rollout.spec["mean_acceptance_length"],
             "per_position_acceptance": rollout.spec["per_position_acceptance"],
             "k_steps": {str(k): v for k, v in sorted(rollout.k_steps.items())},
+            **(rollout.sources or {}),
             "engine_policy_version": versions["policy"],
             "engine_draft_version": versions["draft"],
             **policy_stats,

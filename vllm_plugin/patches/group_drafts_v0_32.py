@@ -33,9 +33,11 @@ def _build(runner):
     from vllm_plugin.group_drafter import GroupDrafter
     from vllm_plugin.settings import ControllerSettings, load_latency
 
-    settings = ControllerSettings.from_env()
     spec = runner.speculative_config
-    if not settings.group.enabled or spec is None:
+    if spec is None:
+        return None
+    settings = ControllerSettings.from_env()
+    if not settings.group.enabled:
         return None
     if runner.use_async_scheduling:
         raise ValueError(
