@@ -149,7 +149,8 @@ def test_catch_up_puts_each_request_s_skipped_positions_before_its_tokens():
     ids = torch.tensor([1012, 1000, 1001, 1002, 5, 6])
     positions = torch.tensor([12, 0, 1, 2, 0, 1])
     hidden = positions[:, None].float().repeat(1, 2)
-    ids_, pos_, hid_, new = kept.prepend(["a", "b", "c"], ids, positions, hidden, cad, 64)
+    ids_, pos_, hid_, new, added = kept.prepend(["a", "b", "c"], ids, positions, hidden, cad, 64)
+    assert added == [2, 0, 0]
     assert pos_.tolist() == [10, 11, 12, 0, 1, 2, 0, 1]
     assert ids_.tolist() == [1010, 1011, 1012, 1000, 1001, 1002, 5, 6]
     assert hid_[:, 0].tolist() == [10, 11, 12, 0, 1, 2, 0, 1]

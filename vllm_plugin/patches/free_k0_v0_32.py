@@ -12,13 +12,15 @@ still run that a plain engine does not:
 Sampling: a step with no draft tokens in it samples with the plain sampler, which is
 what the rejection sampler computes then (its one "bonus" token per request).
 
-Drafting: the pass becomes lazy. On a decode-only step with k = 0 and no drafts to verify,
-the draft inputs of every position (target token, position, hidden state, KV slot) are
-kept and the draft does not run. On the next step that does run the draft (k > 0, or a
-step with prefill), each request's kept positions are put in front of its scheduled
-tokens, as vLLM's first pass already does for prefill, so the draft writes the KV of
-the skipped positions before it drafts: its cache and its drafts are the same as if no
-step had been skipped. Requests that finish while k = 0 never pay.
+Drafting: the pass becomes lazy. On a decode-only step with k = 0, the draft inputs of
+every position (target token, position, hidden state, KV slot) are kept and the draft
+does not run; if the step verified drafts (the previous step's, or drafts from the
+group's text, `group_drafts_v0_32`), only the accepted positions are kept. On the next
+step that does run the draft (k > 0, or a step with prefill), each request's kept
+positions are put in front of its scheduled tokens, as vLLM's first pass already does
+for prefill, so the draft writes the KV of the skipped positions before it drafts: its
+cache and its drafts are the same as if no step had been skipped. Requests that finish
+while k = 0 never pay.
 
 Kept inputs are bounded (`MAX_KEPT_BYTES`); beyond that, and where a request's
 positions stop being contiguous (preemption), the oldest are dropped: the draft then
@@ -80,8 +82,9 @@ class KeptDraftInputs:
 
     def prepend(self, req_ids, token_ids, positions, hidden, cad, capacity: int):
         """This step's draft inputs with each request's kept positions in front of its
-        scheduled tokens: (token_ids, positions, hidden, attention metadata), or None if
-        nothing is kept for these requests. At most `capacity` tokens in all."""
+        scheduled tokens: (token_ids, positions, hidden, attention metadata, positions put
+        in front of each request), or None if nothing is kept for these requests. At most
+        `capacity` tokens in all."""
         scheduled = set(req_ids)
         if not any(r in scheduled for s in self.steps for r in s.req_ids):
             return None
@@ -142,7 +145,7 @@ class KeptDraftInputs:
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        return ids_, pos_, hid_, new_cad
+        return ids_, pos_, hid_, new_cad, [len(p) for p in per_request]
 
 
 def _eligible(proposer) -> bool:
@@ -175,23 +178,35 @@ def _wrap_propose(original):
         kept = kept_inputs(self)
         if kept is None or step is None or not ENABLED:
             return original(self, *args, **kwargs)
-        req_ids, verifies_drafts = step
+        req_ids, num_draft_tokens = step
         a = signature.bind(self, *args, **kwargs).arguments
         cad = a["common_attn_metadata"]
-        if verifies_drafts:
-            # Cannot follow a skipped step (nothing was drafted there); only a request
-            # that was not scheduled since could have kept positions: they go stale.
-            kept.clear()
-            return original(self, *args, **kwargs)
         n = int(cad.num_actual_tokens)
-        if a["num_speculative_tokens"] == 0 and cad.max_query_len == 1:
+        query_lens = torch.diff(cad.query_start_loc_cpu).tolist()
+        # Decode-only: every request's tokens are its last sampled one and its drafts.
+        decode_only = all(q == 1 + d for q, d in zip(query_lens, num_draft_tokens))
+        if a["num_speculative_tokens"] == 0 and decode_only:
+            rows = torch.arange(n, device=cad.seq_lens.device)
+            row_req_ids = list(req_ids)
+            if any(num_draft_tokens):
+                # Drafts were verified: keep what was accepted (rejected positions are
+                # written again when their real tokens come).
+                rejected = a.get("num_rejected_tokens_gpu")
+                if rejected is None:
+                    kept.clear()
+                    return original(self, *args, **kwargs)
+                valid = [q - r for q, r in zip(query_lens, rejected.tolist())]
+                starts = cad.query_start_loc_cpu.tolist()
+                index = [j for s, v in zip(starts, valid) for j in range(s, s + v)]
+                rows = torch.tensor(index, device=rows.device)
+                row_req_ids = [r for r, v in zip(req_ids, valid) for _ in range(v)]
             kept.keep(
                 SkippedStep(
-                    list(req_ids),
-                    a["target_token_ids"][:n].clone(),
-                    a["target_positions"][:n].clone(),
-                    a["target_hidden_states"][:n].clone(),
-                    cad.slot_mapping[:n].clone(),
+                    row_req_ids,
+                    a["target_token_ids"][rows].clone(),
+                    a["target_positions"][rows].clone(),
+                    a["target_hidden_states"][rows].clone(),
+                    cad.slot_mapping[rows].clone(),
                 )
             )
             return torch.empty(cad.batch_size(), 0, dtype=torch.int64, device=cad.seq_lens.device)
@@ -210,8 +225,14 @@ def _wrap_propose(original):
                 a["target_positions"],
                 a["target_hidden_states"],
                 a["common_attn_metadata"],
+                added,
             ) = caught_up
-            a["token_indices_to_sample"] = None  # the last token of each extended query
+            sample = a["token_indices_to_sample"]
+            if sample is not None:
+                # Each request's sampled row moves down by the rows put in front of it
+                # and of the requests before it.
+                shift = torch.tensor(added, device=sample.device).cumsum(0).to(sample.dtype)
+                a["token_indices_to_sample"] = sample + shift
         del a["self"]
         return original(self, **a)
 
@@ -226,9 +247,10 @@ def _wrap_runner(original):
         spec = signature.bind(self, *args, **kwargs).arguments["spec_decode_metadata"]
         # vLLM 0.32 builds this metadata on every step of a speculative engine, with a
         # zero per request when nothing was drafted.
+        num_reqs = self.input_batch.num_reqs
         self.drafter._grpo_step = (
-            self.input_batch.req_ids[: self.input_batch.num_reqs],
-            spec is not None and spec.max_spec_len > 0,
+            self.input_batch.req_ids[:num_reqs],
+            list(spec.num_draft_tokens) if spec is not None else [0] * num_reqs,
         )
         return original(self, *args, **kwargs)
 
