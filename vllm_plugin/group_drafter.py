@@ -182,6 +182,7 @@ class GroupDrafter:
         k_model = max((len(d) for d in model_drafts), default=0)
         batch = len(rows)
         self.calibration.step()
+        self.model_acceptance.step()
         group_drafts = []
         for (req_id, prompt, output), _ in zip(rows, model_drafts):
             t = self._follow(req_id, prompt, output)
@@ -218,7 +219,7 @@ class GroupDrafter:
 
         drafts, sources = [], []
         for row, (req_id, _, output) in enumerate(rows):
-            if use_group[row]:
+            if use_group[row] and length[row]:
                 draft, source = group_drafts[row].tokens[: length[row]], GROUP
                 keys = self.calibration.keys(group_drafts[row])[: length[row]]
             else:

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 def _build(runner):
+    from vllm_plugin.controller import AcceptanceEstimator
     from vllm_plugin.group_drafter import GroupDrafter
     from vllm_plugin.settings import ControllerSettings, load_latency
 
@@ -50,15 +51,19 @@ def _build(runner):
             f"'greedy', not {spec.draft_sample_method!r}"
         )
     g = settings.group
+    k_max = runner.num_spec_tokens
     drafter = GroupDrafter(
         load_latency(settings, runner.vllm_config),
-        runner.num_spec_tokens,
+        k_max,
         max_match=g.max_match,
         history_positions=g.history_positions,
         history_versions=g.history_versions,
         min_confidence=g.min_confidence,
+        model_acceptance=AcceptanceEstimator(
+            k_max, prior=settings.acceptance_prior, decay=settings.acceptance_decay
+        ),
     )
-    logger.info("group drafts on: k_max %d, %s", runner.num_spec_tokens, g)
+    logger.info("group drafts on: k_max %d, %s", k_max, g)
     return drafter
 
 
