@@ -44,7 +44,7 @@ from benchmarks.common import (
 )
 from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.tasks.arithmetic import make_problems
-from vllm_plugin.controller import LatencyModel
+from vllm_plugin.controller import HingeLatency, LatencyModel
 from vllm_plugin.group_drafter import GroupDrafter
 from vllm_plugin.settings import hardware_name
 from vllm_plugin.suffix_index import GroupIndex
@@ -206,6 +206,16 @@ def replay_priced(rounds, latency: LatencyModel, k_max: int) -> dict:
     }
 
 
+FLAT_TOKENS = 256  # a GPU-like step: verification free up to this many tokens
+
+
+def flat_to(latency: LatencyModel, knee: float) -> LatencyModel:
+    """The same step costs with verification free up to `knee` tokens (a model, not this
+    machine), to show what the drafts would do where the step is memory-bound."""
+    target = HingeLatency(latency.target.flat, latency.target.slope, knee)
+    return LatencyModel(target, latency.draft, latency.speculation)
+
+
 def oracle_bound(latency: LatencyModel, top1: float, batch: int) -> float:
     """Speedup over no speculation at concurrency `batch` of the best one-token draft
     there could be (accepted with the target's top probability, free to make)."""
@@ -285,10 +295,11 @@ def main() -> None:
         for tau in (0.2, 0.4, 0.6, 0.8):
             res["threshold"][tau] = replay(rounds, "+history", max(ks), tau).summary()
         res["history_positions"] = history_positions(rounds)
+        res["top1"] = top1_probability(rounds)
         res["priced"] = replay_priced(rounds, latency, max(ks))
+        res["priced_flat"] = replay_priced(rounds, flat_to(latency, FLAT_TOKENS), max(ks))
         res["oracle_bound"] = {b: oracle_bound(latency, res["top1"], b) for b in (1, 8, 64)}
         res["tokens"] = sum(len(o) for _, outs, _ in rounds[-1] for o in outs)
-        res["top1"] = top1_probability(rounds)
     stale = replay(runs["trained"], "+history", max(ks), history_rounds=runs["untrained"])
     results["trained"]["stale_history"] = stale.summary()
     text = report(results, ks, args, latency)
@@ -351,6 +362,10 @@ def report(results, ks, args, latency: LatencyModel) -> str:
             f"MAL {pr['mal']:.2f}, {pr['drafted_per_step']:.2f} draft tokens per request-step, "
             f"modelled rollout time {1 / pr['modelled_speedup']:.2f}x of no speculation "
             f"(latency profile of this machine); history {pr['history_bytes'] / 2**20:.1f} MiB.",
+            f"The same, modelled with verification free up to {FLAT_TOKENS} tokens a step "
+            f"(a GPU-like roofline; not measured here): MAL {res['priced_flat']['mal']:.2f}, "
+            f"{res['priced_flat']['drafted_per_step']:.2f} draft tokens per request-step, "
+            f"rollout time {1 / res['priced_flat']['modelled_speedup']:.2f}x.",
             f"History held: {res['history_positions']} positions.",
         ]
         if "stale_history" in res:

@@ -279,3 +279,15 @@ def test_history_from_elsewhere_drafts_and_a_reset_forgets_it(
     assert _tokens(result) == _tokens(plain)
     # Greedy answers equal to the history: nearly every drafted token is accepted.
     assert used[GROUP]["accepted_tokens"] > 0.8 * used[GROUP]["draft_tokens"] > 0
+
+
+def test_replay_accepts_the_common_prefix_of_draft_and_sampled_tokens():
+    from benchmarks.group_drafts import replay_group
+
+    prompt, answer = [1, 2, 3, 4], [5, 6, 7, 8, 9, 10]
+    # An earlier rollout that answered the same: every drafted token is accepted.
+    same = replay_group(prompt, [answer], [answer], "+history", k=2)
+    assert (same.steps, same.tokens, same.accepted) == (2, 6, 4)
+    # Without it nothing in the text predicts the answer: one token per step.
+    alone = replay_group(prompt, [answer], [answer], "own", k=2)
+    assert (alone.steps, alone.tokens, alone.accepted) == (6, 6, 0)
