@@ -183,16 +183,19 @@ class GroupDrafter:
         batch = len(rows)
         self.calibration.step()
         self.model_acceptance.step()
+        model_expected = float(self.model_acceptance.expected_tokens()[k_model]) - 1.0
+        # No group token whose chance is below what one more verified token costs can pay;
+        # the index stops its drafts there (raw confidence over-states the chance).
+        floor = max(self.min_confidence, self._marginal_price(batch, k_model, model_expected))
         group_drafts = []
-        for (req_id, prompt, output), _ in zip(rows, model_drafts):
+        for req_id, prompt, output in rows:
             t = self._follow(req_id, prompt, output)
             context = list(prompt[-self.max_match :]) + list(output[-self.max_match :])
             index = self.history.group(t.prompt)
-            group_drafts.append(index.draft(context, self.k_max, self.min_confidence))
+            group_drafts.append(index.draft(context, self.k_max, floor))
         self.history.evict({t.prompt for t in self.tracked.values()})
 
         chances = [self.calibration.chances(g) for g in group_drafts]
-        model_expected = float(self.model_acceptance.expected_tokens()[k_model]) - 1.0
         use_group = [sum(c) > model_expected for c in chances]
         # Price the chosen group tokens, most likely accepted first.
         candidates = sorted(
@@ -229,6 +232,14 @@ class GroupDrafter:
             if draft:
                 self.tracked[req_id].pending = (source, len(draft), len(output), keys)
         return drafts, sources
+
+    def _marginal_price(self, batch: int, k_model: int, model_expected: float) -> float:
+        """The chance of acceptance at which one more verified token leaves the step's
+        goodput unchanged, with every request on the model draft."""
+        tokens = batch * (1 + k_model)
+        step_ms = float(self.latency.step_ms(batch, k_model))
+        extra_ms = float(self.latency.target(tokens + 1) - self.latency.target(tokens))
+        return batch * (1 + model_expected) * extra_ms / step_ms
 
     def snapshot(self) -> dict:
         s = self.stats

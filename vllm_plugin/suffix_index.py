@@ -20,8 +20,9 @@ dropping the least recently used first; `approx_bytes` reports what they take.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
+from operator import itemgetter
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ NO_DRAFT = Draft([], [])
 OCCURRENCE_BYTES = 170
 _SHIFT = 32  # an occurrence is seq_id << _SHIFT | position
 _MASK = (1 << _SHIFT) - 1
+_count = itemgetter(1)
 
 
 class GroupIndex:
@@ -102,24 +104,26 @@ class GroupIndex:
         return NO_DRAFT
 
     def _follow(self, occ, max_len, min_confidence, match_len) -> Draft:
-        seqs = self.sequences
         total = len(occ) + 1
-        live = [(o >> _SHIFT, o & _MASK) for o in occ]
+        need = min_confidence * total  # agreeing occurrences a token needs
+        if len(occ) < need:
+            return NO_DRAFT
+        seqs = self.sequences
+        live = [(seqs[o >> _SHIFT], o & _MASK) for o in occ]  # (sequence, next position)
         tokens, confidence = [], []
-        for depth in range(max_len):
-            nxt = Counter(
-                seqs[s][p + depth] for s, p in live if p + depth < len(seqs[s])
-            ).most_common(1)
-            if not nxt:
+        for _ in range(max_len):
+            counts: dict[int, int] = {}
+            for seq, p in live:
+                if p < len(seq):
+                    counts[seq[p]] = counts.get(seq[p], 0) + 1
+            if not counts:
                 break
-            token, agree = nxt[0]
-            if agree / total < min_confidence:
+            token, agree = max(counts.items(), key=_count)
+            if agree < need:
                 break
             tokens.append(token)
             confidence.append(agree / total)
-            live = [
-                (s, p) for s, p in live if p + depth < len(seqs[s]) and seqs[s][p + depth] == token
-            ]
+            live = [(seq, p + 1) for seq, p in live if p < len(seq) and seq[p] == token]
         return Draft(tokens, confidence, match_len)
 
     def drop_versions_before(self, version: int) -> None:
