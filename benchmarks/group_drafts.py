@@ -181,7 +181,7 @@ def replay_priced(rounds, latency: LatencyModel, k_max: int) -> dict:
         if not live:
             break
         rows = [(name, prompt, out[: pos[name]]) for name, prompt, out in live]
-        drafts, _ = drafter.propose(rows, [[] for _ in rows])
+        drafts = drafter.propose(rows, [[] for _ in rows]).drafts
         drafter.forget({name for name, _, _ in live})
         n_draft = sum(map(len, drafts))
         spec_ms += float(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import tracemalloc
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -102,26 +103,25 @@ STEEP = LatencyModel(HingeLatency(1.0, 1.0, 0.0), LinearCost(0.5, 0.0))
 
 def test_group_tokens_are_drafted_while_verifying_them_is_free():
     drafter = _drafter(FLAT)
-    drafts, sources = drafter.propose(_rows(drafter, 4, []), [[]] * 4)
+    drafts, sources, _ = drafter.propose(_rows(drafter, 4, []), [[]] * 4)
     assert sources == [GROUP] * 4
     assert drafts == [[10, 11, 12, 13]] * 4
 
 
 def test_where_every_verified_token_costs_a_full_token_none_pays():
     drafter = _drafter(STEEP)
-    drafts, _ = drafter.propose(_rows(drafter, 4, []), [[]] * 4)
-    assert drafts == [[]] * 4
+    assert drafter.propose(_rows(drafter, 4, []), [[]] * 4).drafts == [[]] * 4
 
 
 def test_a_request_takes_the_source_with_more_expected_tokens():
     sure = FrozenAcceptance([0.99] * 4)
     drafter = _drafter(FLAT, sure)
-    drafts, sources = drafter.propose(_rows(drafter, 2, []), [[7, 7, 7, 7]] * 2)
-    assert sources == [MODEL, MODEL] and drafts == [[7, 7, 7, 7]] * 2
+    drafts, sources, discarded = drafter.propose(_rows(drafter, 2, []), [[7, 7, 7, 7]] * 2)
+    assert sources == [MODEL, MODEL] and drafts == [[7, 7, 7, 7]] * 2 and discarded == [0, 0]
     unsure = FrozenAcceptance([0.05] * 4)
     drafter = _drafter(FLAT, unsure)
-    drafts, sources = drafter.propose(_rows(drafter, 2, []), [[7, 7, 7, 7]] * 2)
-    assert sources == [GROUP, GROUP]
+    _, sources, discarded = drafter.propose(_rows(drafter, 2, []), [[7, 7, 7, 7]] * 2)
+    assert sources == [GROUP, GROUP] and discarded == [4, 4]
 
 
 def test_outcomes_are_counted_per_source_and_calibrate_the_group_s_confidence():
@@ -129,8 +129,7 @@ def test_outcomes_are_counted_per_source_and_calibrate_the_group_s_confidence():
     rows = _rows(drafter, 1, [])
     before = drafter.calibration.chances(drafter.history.group((1, 2, 3)).draft([2, 3], 4))
     for _ in range(30):  # the request keeps generating 10 99 ..., so only one is accepted
-        drafts, _ = drafter.propose(rows, [[]])
-        assert drafts[0][:1] == [10]
+        assert drafter.propose(rows, [[]]).drafts[0][:1] == [10]
         drafter.propose([("r0", (1, 2, 3), [10, 99])], [[]])
         drafter.forget(set())
     after = drafter.calibration.chances(drafter.history.group((1, 2, 3)).draft([2, 3], 4))
@@ -245,6 +244,39 @@ def test_group_drafts_keep_the_target_s_distribution_at_temperature_one(
         sampled, used = _delta(engine, prompts, sampling)
         assert used[GROUP]["draft_tokens"] > 0
         assert_same_distribution(sampled, plain, range(1, 6), 200)
+
+
+def test_the_scheduler_prices_k_on_the_model_drafts_as_used():
+    """Model drafts a group draft replaced count as made and not accepted; group drafts'
+    own outcomes never reach the model's estimate."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    from vllm_plugin.controller import AcceptanceEstimator
+    from vllm_plugin.scheduler import ConcurrencyAwareMixin
+
+    class Base:
+        def update_draft_token_ids(self, draft_token_ids):
+            pass
+
+        def make_spec_decoding_stats(self, stats, *args):
+            return stats
+
+    class Scheduler(ConcurrencyAwareMixin, Base):
+        pass
+
+    scheduler = Scheduler()
+    scheduler.acceptance = AcceptanceEstimator(4)
+    scheduler.draft_sources, scheduler.verified_by_source = {}, Counter()
+    drafts = DraftTokenIds(["a", "b"], [[1, 2], [3, 4, 5, 6]])
+    drafts.grpo_sources, drafts.grpo_model_discarded = [GROUP, MODEL], [4, 0]
+    scheduler.update_draft_token_ids(drafts)
+    assert scheduler.acceptance.tried.tolist() == [1, 0, 0, 0]
+    assert scheduler.acceptance.accepted.tolist() == [0, 0, 0, 0]
+    scheduler.make_spec_decoding_stats(None, 2, 2, None, "a")  # the group's: not counted
+    scheduler.make_spec_decoding_stats(None, 4, 1, None, "b")
+    assert scheduler.acceptance.tried.tolist() == [2, 1, 0, 0]
+    assert scheduler.acceptance.accepted.tolist() == [1, 0, 0, 0]
+    assert scheduler.verified_by_source == {GROUP: 1, MODEL: 1}
 
 
 def test_group_drafts_refuse_engines_they_cannot_serve(monkeypatch, profile):

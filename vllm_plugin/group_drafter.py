@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,6 +101,14 @@ class GroupDrafterStats:
         return asdict(self)
 
 
+class Proposal(NamedTuple):
+    drafts: list[list[int]]  # per request, to verify next step
+    sources: list[str]  # MODEL or GROUP, per request
+    # Per request, the model draft's tokens that a group draft replaced: the model draft
+    # ran for nothing there, which is what its scheduler should price.
+    model_discarded: list[int]
+
+
 class GroupDrafter:
     def __init__(
         self,
@@ -175,10 +184,9 @@ class GroupDrafter:
         self.tracked.clear()
 
     # ---- what to verify next ----------------------------------------------------------
-    def propose(self, rows, model_drafts: list[list[int]]) -> tuple[list[list[int]], list[str]]:
+    def propose(self, rows, model_drafts: list[list[int]]) -> Proposal:
         """rows: (request id, prompt ids, output ids) in batch order; model_drafts: the
-        engine drafter's tokens per row (all of one length k, or empty). Returns the
-        drafts to verify next step and the source of each."""
+        engine drafter's tokens per row (all of one length k, or empty)."""
         k_model = max((len(d) for d in model_drafts), default=0)
         batch = len(rows)
         self.calibration.step()
@@ -220,18 +228,19 @@ class GroupDrafter:
         for _, depth, row in candidates[:keep]:
             length[row] = max(length[row], depth + 1)
 
-        drafts, sources = [], []
+        out = Proposal([], [], [])
         for row, (req_id, _, output) in enumerate(rows):
             if use_group[row] and length[row]:
                 draft, source = group_drafts[row].tokens[: length[row]], GROUP
                 keys = self.calibration.keys(group_drafts[row])[: length[row]]
             else:
                 draft, source, keys = list(model_drafts[row]), MODEL, []
-            drafts.append(draft)
-            sources.append(source)
+            out.drafts.append(draft)
+            out.sources.append(source)
+            out.model_discarded.append(len(model_drafts[row]) if source == GROUP else 0)
             if draft:
                 self.tracked[req_id].pending = (source, len(draft), len(output), keys)
-        return drafts, sources
+        return out
 
     def _marginal_price(self, batch: int, k_model: int, model_expected: float) -> float:
         """The chance of acceptance at which one more verified token leaves the step's

@@ -162,6 +162,11 @@ class ConcurrencyAwareMixin:
         sources = getattr(draft_token_ids, "grpo_sources", None)
         if sources is not None:
             self.draft_sources = dict(zip(draft_token_ids.req_ids, sources))
+        # The model drafted these and a group draft was verified instead: for pricing k
+        # the model's tokens were made and not used.
+        for discarded in getattr(draft_token_ids, "grpo_model_discarded", None) or ():
+            if discarded:
+                self.acceptance.observe(discarded, 0)
         super().update_draft_token_ids(draft_token_ids)
 
     def make_spec_decoding_stats(

@@ -12,8 +12,9 @@ scheduler, the runner and the rejection sampler take them as they are. Every dra
 verified by the target, so outputs keep its distribution (the drafts are one-hot:
 greedy `draft_sample_method`).
 
-The returned `DraftTokenIds` carries `grpo_sources` (one per request) so the
-concurrency-aware scheduler learns the model draft's acceptance from its own drafts only.
+The returned `DraftTokenIds` carries `grpo_sources` and `grpo_model_discarded` (one per
+request) so the concurrency-aware scheduler learns the model draft's acceptance from its
+own drafts only, counting a draft a group draft replaced as made and not accepted.
 
 Active when `GRPO_SPECDEC_CONTROLLER` has `group.enabled`; needs synchronous scheduling
 (with async scheduling the runner feeds the model draft's device tensor to the next step
@@ -85,11 +86,12 @@ def _wrap_take(original):
         drafter.forget(set(self.requests))
         if not rows:
             return drafts
-        chosen, sources = drafter.propose(
+        proposal = drafter.propose(
             rows, [list(model.get(r[0], ())) if model_drafts else [] for r in rows]
         )
-        out = DraftTokenIds([r[0] for r in rows], chosen)
-        out.grpo_sources = sources
+        out = DraftTokenIds([r[0] for r in rows], proposal.drafts)
+        out.grpo_sources = proposal.sources
+        out.grpo_model_discarded = proposal.model_discarded
         return out
 
     take_draft_token_ids._grpo_original = original
