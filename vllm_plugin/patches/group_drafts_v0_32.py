@@ -77,7 +77,7 @@ def _wrap_take(original):
         from vllm.v1.outputs import DraftTokenIds
 
         model = dict(zip(drafts.req_ids, drafts.draft_token_ids)) if drafts else {}
-        model_drafts = self.speculative_config.use_eagle()
+        has_model_draft = self.speculative_config.use_eagle()  # not ngram, the model-free host
         rows = []
         for req_id in self.input_batch.req_ids:
             state = self.requests.get(req_id)
@@ -87,7 +87,7 @@ def _wrap_take(original):
         if not rows:
             return drafts
         proposal = drafter.propose(
-            rows, [list(model.get(r[0], ())) if model_drafts else [] for r in rows]
+            rows, [list(model.get(r[0], ())) if has_model_draft else [] for r in rows]
         )
         out = DraftTokenIds([r[0] for r in rows], proposal.drafts)
         out.grpo_sources = proposal.sources
