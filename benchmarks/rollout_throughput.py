@@ -124,18 +124,16 @@ def run_config(
             config.engine.group_draft_add_history(history)
     if config.policy is None:
         out = run(config.engine, prompts, sampling)
-        if config.group:
-            out["group"] = config.engine.group_draft_stats()["sources"]
-        return out
-    scheduler = config.engine.scheduler()
-    scheduler.set_policy(config.policy, config.acceptance)
-    mark = scheduler.steps_scheduled
-    free_k0_v0_32.ENABLED = config.free_k0
-    try:
-        out = run(config.engine, prompts, sampling)
-    finally:
-        free_k0_v0_32.ENABLED = True
-    out["trace"] = [(t, b, k) for t, b, k, _ in scheduler.steps_since(mark)]
+    else:
+        scheduler = config.engine.scheduler()
+        scheduler.set_policy(config.policy, config.acceptance)
+        mark = scheduler.steps_scheduled
+        free_k0_v0_32.ENABLED = config.free_k0
+        try:
+            out = run(config.engine, prompts, sampling)
+        finally:
+            free_k0_v0_32.ENABLED = True
+        out["trace"] = [(t, b, k) for t, b, k, _ in scheduler.steps_since(mark)]
     if config.group:
         out["group"] = config.engine.group_draft_stats()["sources"]
     return out

@@ -31,14 +31,6 @@ class Draft:
     confidence: list[float]  # cumulative: P(tokens[: j + 1] all accepted), non-increasing
     match_len: int = 0
 
-    @property
-    def expected_accepted(self) -> float:
-        return float(sum(self.confidence))
-
-    def trimmed(self, min_confidence: float) -> Draft:
-        n = sum(1 for c in self.confidence if c >= min_confidence)
-        return Draft(self.tokens[:n], self.confidence[:n], self.match_len)
-
 
 NO_DRAFT = Draft([], [])
 
