@@ -82,6 +82,38 @@ def test_padded_draft_recovers_from_the_whole_target():
     assert torch.allclose(freq, p.double(), atol=0.015), freq
 
 
+def test_padded_draft_ignores_its_draft_probabilities():
+    """Nothing was sampled from a padded draft's q row, so nothing of it leaves p."""
+    p = torch.tensor([0.3, 0.1, 0.4, 0.2])
+    n = 20_000
+    torch.manual_seed(0)
+    q = torch.tensor([0.0, 0.0, 0.9, 0.1]).expand(n, 4).clone()
+    out = _sample(fast.rejection_sample, [[-1]] * n, p.log().expand(n, 4).clone(), q)
+    freq = torch.bincount(out[:, 0].long(), minlength=4).double() / n
+    assert torch.allclose(freq, p.double(), atol=0.015), freq
+
+
+def test_draft_probabilities_in_a_reduced_vocabulary_read_as_dense_ones():
+    """q over a head's own vocabulary (its columns' target ids attached) gives, draw for
+    draw, the tokens the same q spread over the target vocabulary gives."""
+    torch.manual_seed(0)
+    vocab, vocab_ids = 40, torch.tensor([0, 3, 4, 9, 17, 22, 31, 39])
+    drafts = [[3, 9, 22], [], [17], [-1], [39, 0]]
+    rows = sum(len(d) for d in drafts)
+    logits = torch.randn(rows, vocab) * 2
+    reduced = torch.randn(rows, len(vocab_ids)).softmax(-1)
+    dense = fast.to_target_vocab(reduced, vocab_ids, vocab)
+    setattr(reduced, fast.VOCAB_IDS_ATTR, vocab_ids)
+    outs = []
+    for q in (dense, reduced):
+        torch.manual_seed(1)
+        outs.append(
+            torch.cat([_sample(fast.rejection_sample, drafts, logits, q) for _ in range(300)])
+        )
+    assert torch.equal(outs[0], outs[1])
+    assert len({tuple(r) for r in outs[0].tolist()}) > 20  # rejections and recoveries happen
+
+
 def test_inverse_cdf_keeps_light_tokens_of_a_large_vocabulary():
     """Tokens of weight 2.9e-8 after a mass of 0.5 are finer than a float32 running sum
     resolves there (steps of 6e-8); each must still own its slice of [0, total)."""
@@ -144,8 +176,11 @@ def test_fast_rejection_sampling_matches_vllm_distribution(with_draft_probs):
     )
     ours = _output_distributions(fast.rejection_sample, q, 40_000, padded=-1)
     # vLLM's CPU kernel reads p[-1] out of bounds for a padded draft (the Triton kernel
-    # rejects it), so its run drafts instead a token of target probability 0: the same rule
-    # (always rejected, nothing taken out of p).
+    # rejects it), so its run drafts instead a token of target probability 0 with q one-hot
+    # on it: the same rule (always rejected, nothing taken out of p).
+    if q is not None:
+        q = q.clone()
+        q[3:] = torch.nn.functional.one_hot(torch.tensor(5), 6).float()
     theirs = _output_distributions(_vllm_rejection_sample(), q, 40_000, padded=5)
     assert ours.keys() == theirs.keys()
     for group in ours:

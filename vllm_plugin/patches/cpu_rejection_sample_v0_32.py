@@ -14,6 +14,11 @@ where a draft was rejected: at most one row per request, by inverse CDF in float
 the request's own generator when it has one. Batches that mix greedy and sampled
 requests, and synthetic acceptance, go to vLLM's own implementation.
 
+Draft probabilities may come in a reduced draft vocabulary (`cpu_sampled_drafts_v0_32`):
+then the tensor carries the target ids of its columns (`VOCAB_IDS_ATTR`) and q is read
+through them, zero elsewhere. A padded draft has no q behind it: its recovered token
+comes from p whatever its q row holds.
+
 `use_fp64_gumbel` asks for float64 sampling noise; this path draws and accumulates in
 float64 whatever its value, so the flag is met without being read.
 """
@@ -25,6 +30,8 @@ import torch
 from vllm_plugin.patches import running_on_cpu
 
 TARGET_VERSION = "0.32.0"
+# Attribute of a draft-probabilities tensor in a reduced vocabulary: its columns' target ids.
+VOCAB_IDS_ATTR = "grpo_vocab_ids"
 _original = None
 
 
@@ -41,7 +48,10 @@ def rejection_sample(
     synthetic_conditional_rates=None,
     use_fp64_gumbel=False,
 ):
+    vocab_ids = getattr(draft_probs, VOCAB_IDS_ATTR, None)
     if synthetic_mode or not sampling_metadata.all_random:
+        if vocab_ids is not None:
+            draft_probs = to_target_vocab(draft_probs, vocab_ids, target_logits.shape[1])
         return _original(
             draft_token_ids,
             num_draft_tokens,
@@ -75,7 +85,15 @@ def rejection_sample(
     valid = draft >= 0  # -1 marks padded drafts, always rejected
     safe = draft.clamp(min=0)[:, None]
     p = probs.gather(1, safe).squeeze(1)
-    q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(1, safe).squeeze(1)
+    if draft_probs is None:
+        q = torch.ones_like(p)
+    elif vocab_ids is None:
+        q = draft_probs.gather(1, safe).squeeze(1)
+    else:
+        column = torch.full((target_logits.shape[1],), -1, dtype=torch.long, device=device)
+        column[vocab_ids] = torch.arange(len(vocab_ids), device=device)
+        at = column[safe.squeeze(1)]
+        q = draft_probs.gather(1, at.clamp(min=0)[:, None]).squeeze(1).masked_fill(at < 0, 0.0)
     uniform = generate_uniform_probs(n, num_draft_tokens, sampling_metadata.generators, device)
     accepted = valid & (q > 0) & (p / q >= uniform)
 
@@ -89,13 +107,16 @@ def rejection_sample(
     # At the first rejection, a token from the residual distribution (one row per request).
     rows = (rejected & (pos == n_accepted[req])).nonzero().squeeze(1)
     target = probs[rows]
+    # What the rejected draft takes out of p; a padded draft takes nothing out.
+    residual = target.clone()
+    hit = valid[rows].nonzero().squeeze(1)
     if draft_probs is None:
-        # The rejected token leaves the residual; a padded draft takes nothing out.
-        residual = target.clone()
-        hit = valid[rows].nonzero().squeeze(1)
         residual[hit, draft[rows[hit]]] = 0.0
+    elif vocab_ids is None:
+        residual[hit] = (target[hit] - draft_probs[rows[hit]]).clamp_(min=0.0)
     else:
-        residual = (target - draft_probs[rows]).clamp_(min=0.0)
+        drafted = residual[hit][:, vocab_ids] - draft_probs[rows[hit]]
+        residual[hit[:, None], vocab_ids[None, :]] = drafted.clamp_(min=0.0)
     # Nothing left (p <= q everywhere, so p == q up to rounding): sample p itself.
     exhausted = residual.sum(dim=1) <= 0
     residual[exhausted] = target[exhausted]
@@ -110,6 +131,13 @@ def rejection_sample(
     done = n_accepted == counts  # every draft accepted: the bonus token follows
     out[done, counts[done]] = bonus_token_ids.view(-1)[done].to(torch.int32)
     return out
+
+
+def to_target_vocab(q: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q over a reduced vocabulary as rows over the target's (zero outside it)."""
+    dense = q.new_zeros(len(q), vocab_size)
+    dense[:, vocab_ids] = q
+    return dense
 
 
 def inverse_cdf(weights, u):
