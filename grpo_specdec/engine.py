@@ -44,6 +44,12 @@ class SpeculativeSettings(StrictModel):
         "draft model, only drafts from the group's text (controller.group.enabled)"
     )
     k: int = Field(3, ge=1, le=16, description="draft tokens per step (the most, when adaptive)")
+    draft_sampling: Literal["greedy", "probabilistic"] = Field(
+        "greedy",
+        description="greedy: the draft proposes its argmax, accepted with probability p(argmax); "
+        "probabilistic: it samples from its distribution q at the request's temperature and "
+        "hands q to verification, accepted with probability sum(min(p, q))",
+    )
     concurrency_aware: bool = Field(False, description="choose k each step with the controller")
     controller: ControllerSettings = ControllerSettings()
     batch_size_table: list[tuple[int, int, int]] | None = Field(
@@ -60,6 +66,13 @@ class SpeculativeSettings(StrictModel):
                 "speculative.draft is null, so drafts can only come from the group's text: "
                 "set speculative.controller.group.enabled=true (or name a draft)"
             )
+        if self.draft_sampling != "greedy" and self.controller.group.enabled:
+            raise ValueError(
+                "speculative.draft_sampling=probabilistic and controller.group.enabled: group "
+                "drafts are one-hot; use greedy draft sampling with group drafts"
+            )
+        if self.draft is None and self.draft_sampling != "greedy":
+            raise ValueError("speculative.draft_sampling=probabilistic needs a draft model")
         if self.draft is None and self.concurrency_aware:
             raise ValueError(
                 "concurrency_aware chooses the draft model's k; with speculative.draft null the "
@@ -232,6 +245,7 @@ class Engine:
                 else {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 1}
             )
             kwargs["speculative_config"]["num_speculative_tokens"] = spec.k
+            kwargs["speculative_config"]["draft_sample_method"] = spec.draft_sampling
             table = spec.batch_size_table
             # The controller and the group drafter live in the engine core's process
             # (this one or a child); their settings travel in the environment.

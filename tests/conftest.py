@@ -57,7 +57,7 @@ def _assets_cache() -> Path:
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
     out = _assets_cache()
-    if not (out / "draft" / "model.safetensors").is_file():
+    if not (out / "draft-reduced" / "model.safetensors").is_file():
         proc = run_cli("models", "tiny", "--out", str(out))
         assert proc.stdout.strip().splitlines()[-1] == str(out)
     return out
@@ -87,6 +87,12 @@ def tiny_engine_config(target: str, draft: str | None = None, **overrides):
     )
     base.update(overrides)
     return EngineConfig(**base)
+
+
+@pytest.fixture(scope="session")
+def tiny_reduced_draft(tiny_models) -> str:
+    """The tiny head over the 256 most frequent tokens (EAGLE-3 format)."""
+    return str(tiny_models / "draft-reduced")
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@
 it starts. Features (the concurrency-aware scheduler, the weight-swap extension) are
 opt-in by configuration. What it does unasked is patch vLLM 0.32 (see `patches/`, one
 module each): on CPU, sampled speculative decoding that was not lossless and cost too
-much, engine starts that recompiled every time, aborted at random, or failed after numba
+much, sampled drafting that cost more than it gained, engine starts that recompiled every time, aborted at random, or failed after numba
 was imported; everywhere, a draft pass that ran on steps drafting nothing (it now runs
 lazily, catching up when drafting resumes); and, when configured, drafts from a GRPO
 group's text join the engine's own (its one per-step hook, `take_draft_token_ids`). Set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM
@@ -35,6 +35,7 @@ def register() -> None:
         cpu_kernel_scan_v0_32,
         cpu_onednn_release_v0_32,
         cpu_rejection_sample_v0_32,
+        cpu_sampled_drafts_v0_32,
         free_k0_v0_32,
         group_drafts_v0_32,
     )
@@ -42,6 +43,7 @@ def register() -> None:
     for patch in (
         cpu_expand_kernel_v0_32,
         cpu_rejection_sample_v0_32,
+        cpu_sampled_drafts_v0_32,
         cpu_onednn_release_v0_32,
         cpu_compile_cache_v0_32,
         cpu_kernel_scan_v0_32,

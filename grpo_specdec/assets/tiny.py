@@ -1,9 +1,9 @@
-"""Deterministic tiny models for tests: a Llama target that writes varied text, and an EAGLE head.
+"""Deterministic tiny models for tests: a Llama target that writes varied text, and EAGLE heads.
 
 The target (~0.6M parameters, its own byte-level BPE tokenizer) is trained for a few
 seconds on worked arithmetic solutions, so greedy outputs differ per prompt and equality
-tests mean something. The draft head is distilled from that target's hidden states, so
-speculation is accepted often.
+tests mean something. The draft heads (full vocabulary, and a reduced one in EAGLE-3
+format) are distilled from that target's hidden states, so speculation is accepted often.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from grpo_specdec.draft.capture import Sequence, capture_hidden, pad_batch
-from grpo_specdec.draft.head import new_head
+from grpo_specdec.draft.head import draft_vocabulary, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.tasks.arithmetic import make_problems
 
@@ -102,9 +102,13 @@ def build_tiny(
         ],
         batch_size=64,
     )
-    head = new_head(out / "target", target, seed=seed)
-    DraftTrainer(head, DraftTrainConfig(lr=3e-3, batch_size=32, epochs=draft_epochs)).train(
-        draft_seqs, rng
-    )
-    head.save(out / "draft")
+    # The same recipe over the full vocabulary (EAGLE) and over its 256 most frequent
+    # response tokens (EAGLE-3 format, as the SmolLM2 default head).
+    reduced = draft_vocabulary(draft_seqs, 256, [tok.eos_token_id])
+    for name, vocab_ids in (("draft", None), ("draft-reduced", reduced)):
+        head = new_head(out / "target", target, seed=seed, vocab_ids=vocab_ids)
+        DraftTrainer(head, DraftTrainConfig(lr=3e-3, batch_size=32, epochs=draft_epochs)).train(
+            draft_seqs, rng
+        )
+        head.save(out / name)
     return out

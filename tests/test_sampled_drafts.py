@@ -1,0 +1,133 @@
+"""Sampled drafting (`draft_sampling: probabilistic`): the draft samples from its q and
+verification accounts for q, so outputs keep the target's distribution, for heads over
+the full vocabulary and over a reduced one (q kept in the head's own vocabulary on CPU,
+`patches/cpu_sampled_drafts_v0_32.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_specdec.engine import Engine, SamplingSettings
+from tests.conftest import assert_same_distribution, tiny_engine_config
+from vllm_plugin.patches import cpu_rejection_sample_v0_32 as rejection
+from vllm_plugin.patches.cpu_sampled_drafts_v0_32 import sample_draft
+
+
+@pytest.fixture(scope="module")
+def sampled_engine(tiny_target, tiny_reduced_draft, tmp_path_factory):
+    """The reduced-vocabulary head with its logits scaled by 0.3: q flatter than p (but
+    overlapping it), so verification that misread q would bend the output more than
+    with q close to p."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    flat = tmp_path_factory.mktemp("flat-head")
+    shutil.copy(f"{tiny_reduced_draft}/config.json", flat)
+    weights = load_file(f"{tiny_reduced_draft}/model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 0.3
+    save_file(weights, str(flat / "model.safetensors"))
+    engine = Engine(
+        tiny_engine_config(
+            tiny_target,
+            speculative={"draft": str(flat), "k": 3, "draft_sampling": "probabilistic"},
+        )
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sampled_full_vocab_engine(tiny_target, tiny_draft):
+    engine = Engine(
+        tiny_engine_config(
+            tiny_target,
+            speculative={"draft": tiny_draft, "k": 3, "draft_sampling": "probabilistic"},
+        )
+    )
+    yield engine
+    engine.shutdown()
+
+
+def test_draft_samples_follow_q_and_map_to_target_ids():
+    torch.manual_seed(0)
+    vocab_ids = torch.tensor([2, 5, 11, 40])
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0]]).expand(40_000, 4)
+    ids, q = sample_draft(logits, torch.full((40_000,), 0.5), vocab_ids)
+    expected = (logits[0] / 0.5).softmax(-1)
+    assert torch.allclose(q[0], expected)
+    freq = torch.stack([(ids == t).double().mean() for t in vocab_ids])
+    assert torch.allclose(freq, expected.double(), atol=0.01), freq
+
+
+def test_greedy_outputs_unchanged(
+    sampled_engine, sampled_full_vocab_engine, plain_engine, questions
+):
+    greedy = SamplingSettings(temperature=0.0, max_tokens=48)
+    plain = plain_engine.generate(questions[:8], greedy)
+    for engine in (sampled_engine, sampled_full_vocab_engine):
+        spec = engine.generate(questions[:8], greedy)
+        assert [g[0].token_ids for g in spec.outputs] == [g[0].token_ids for g in plain.outputs]
+        assert spec.spec["mean_acceptance_length"] > 1.5
+
+
+def test_reduced_vocabulary_q_reaches_verification_in_its_own_vocabulary(
+    sampled_engine, tiny_reduced_draft, questions, monkeypatch
+):
+    from vllm.v1.sample import rejection_sampler
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        draft_probs = args[4]
+        seen.append((draft_probs.shape[-1], getattr(draft_probs, rejection.VOCAB_IDS_ATTR, None)))
+        return rejection.rejection_sample(*args, **kwargs)
+
+    monkeypatch.setattr(rejection_sampler, "rejection_sample", spy)
+    sampled_engine.generate(questions[:4], SamplingSettings(temperature=1.0, max_tokens=16))
+    from safetensors.torch import load_file
+
+    d2t = load_file(f"{tiny_reduced_draft}/model.safetensors")["d2t"]
+    head_ids = d2t + torch.arange(len(d2t))
+    assert seen and all(width == 256 and torch.equal(ids, head_ids) for width, ids in seen)
+
+
+@pytest.mark.parametrize("vocabulary", ["reduced", "full"])
+def test_sampled_drafting_keeps_the_target_distribution(
+    vocabulary, sampled_engine, sampled_full_vocab_engine, plain_engine, questions
+):
+    """200 samples at T = 1 per prompt: per position, the plain engine's distribution.
+    A coarse check of the whole path (the rule itself is checked exactly against vLLM's
+    in test_rejection_sampler.py). Verifying a sampled draft as if it were one-hot would
+    lose acceptance, not correctness: that is the next test."""
+    engine = sampled_engine if vocabulary == "reduced" else sampled_full_vocab_engine
+    prompts = questions[:3]
+    sampling = SamplingSettings(n=200, temperature=1.0, max_tokens=6, ignore_eos=True)
+    sampled = engine.generate(prompts, sampling)
+    plain = plain_engine.generate(prompts, sampling)
+    assert sampled.spec["accepted_tokens"] > 500
+    assert_same_distribution(sampled, plain, range(6), 200)
+
+
+def test_sampled_drafting_beats_greedy_drafts(sampled_full_vocab_engine, eagle_engine, questions):
+    """The same head, at T = 1: sampling its drafts is accepted more than its argmax."""
+    sampling = SamplingSettings(n=50, temperature=1.0, max_tokens=24)
+    sampled = sampled_full_vocab_engine.generate(questions[:4], sampling).spec
+    greedy = eagle_engine.generate(questions[:4], sampling).spec
+    assert sampled["mean_acceptance_length"] > greedy["mean_acceptance_length"] + 0.1, (
+        sampled["mean_acceptance_length"],
+        greedy["mean_acceptance_length"],
+    )
+
+
+def test_group_drafts_refuse_sampled_drafting(tiny_target, tiny_draft):
+    with pytest.raises(ValueError, match="group drafts are one-hot"):
+        tiny_engine_config(
+            tiny_target,
+            speculative={
+                "draft": tiny_draft,
+                "draft_sampling": "probabilistic",
+                "controller": {"group": {"enabled": True}},
+            },
+        )
