@@ -58,6 +58,41 @@ def smollm2_head(target: str, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> 
     return str(out)
 
 
+def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200) -> str:
+    """The default head refined for sampling at T = 1: `steps` more steps on the policy's
+    T = 1 samples, with the EAGLE loss (`tv_weight` 0) or with the TV term added."""
+    start = smollm2_head(target)
+    out = Path(start).parent / f"{Path(start).name}-t1-tv{tv_weight:g}-s{steps}"
+    if not (out / "model.safetensors").is_file():
+        cli(
+            "draft",
+            "train",
+            "--target",
+            target,
+            "--task",
+            "arithmetic",
+            "--init",
+            start,
+            "--out",
+            str(out),
+            "--steps",
+            str(steps),
+            "--num-prompts",
+            "512",
+            "--max-tokens",
+            "128",
+            "--gen-temperature",
+            "1.0",
+            "--tv-weight",
+            str(tv_weight),
+            "--draft-sampling",
+            "probabilistic",
+            "--json",
+            str(out.parent / f"{out.name}.json"),
+        )
+    return str(out)
+
+
 def smollm2_profile(target: str, draft: str, k_max: int) -> Path:
     """The latency profile of SmolLM2 with this head (its draft step cost is the head's).
     A profile measured up to a larger k serves too: the fitted model does not depend on it."""

@@ -22,6 +22,16 @@ def _models_prepare(args) -> None:
     print(prepare_smollm2(args.out))
 
 
+def _draft_sampling_arg(parser) -> None:
+    parser.add_argument(
+        "--draft-sampling",
+        default="greedy",
+        choices=["greedy", "probabilistic"],
+        help="the draft proposes its argmax (greedy) or samples from its distribution, "
+        "which verification then takes into account (probabilistic)",
+    )
+
+
 def _write_json(path: str, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=1))
@@ -33,15 +43,15 @@ def _generate(args) -> None:
     prompts = read_prompts_file(args.prompts)
     speculative = None
     if args.draft:
-        speculative = {"draft": args.draft, "k": args.k}
+        speculative = {"draft": args.draft, "k": args.k, "draft_sampling": args.draft_sampling}
         if args.concurrency_aware:
             controller = {
                 "policy": args.policy,
                 **({"profile": args.profile} if args.profile else {}),
             }
             speculative.update(concurrency_aware=True, controller=controller)
-    elif args.concurrency_aware:
-        raise ValueError("--concurrency-aware needs --draft")
+    elif args.concurrency_aware or args.draft_sampling != "greedy":
+        raise ValueError("--concurrency-aware and --draft-sampling need --draft")
     cfg = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -83,8 +93,10 @@ def _draft_train(args) -> None:
         seed=args.seed,
         enforce_eager=args.eager,
         draft_vocab=args.draft_vocab,
+        draft_sampling=args.draft_sampling,
+        gen_temperature=args.gen_temperature,
         max_model_len=args.max_model_len,
-        train={"lr": args.lr, "batch_size": args.batch_size},
+        train={"lr": args.lr, "batch_size": args.batch_size, "tv_weight": args.tv_weight},
     )
     report = bootstrap_draft(
         cfg, log=lambda msg: print(msg, file=sys.stderr if args.json else sys.stdout)
@@ -100,6 +112,7 @@ def _profile(args) -> None:
     cfg = ProfileConfig(
         model=args.model,
         draft=args.draft,
+        draft_sampling=args.draft_sampling,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         k_max=args.k_max,
@@ -165,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--concurrency-aware", action="store_true", help="choose k (0..--k) every step"
     )
+    _draft_sampling_arg(gen)
     gen.add_argument("--profile", default=None, help="latency profile (default: the profile store)")
     gen.add_argument("--policy", default="goodput", choices=["goodput", "paper", "fixed"])
     gen.add_argument("--prompts", required=True, help="file with one prompt per line")
@@ -198,6 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     dtrain.add_argument("--eval-prompts", type=int, default=32)
     dtrain.add_argument("--k", type=int, default=3, help="draft tokens per step when measuring")
     dtrain.add_argument("--max-tokens", type=int, default=128)
+    dtrain.add_argument(
+        "--gen-temperature", type=float, default=0.7, help="temperature of the training samples"
+    )
+    dtrain.add_argument(
+        "--tv-weight",
+        type=float,
+        default=0.0,
+        help="add TV(p, q) at T=1 to the loss: trains for sampled drafting's acceptance",
+    )
+    _draft_sampling_arg(dtrain)
     dtrain.add_argument("--lr", type=float, default=1e-3)
     dtrain.add_argument("--batch-size", type=int, default=8)
     dtrain.add_argument("--seed", type=int, default=0)
@@ -224,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--dtype", default="auto")
     _max_model_len_arg(prof)
     prof.add_argument("--k-max", type=int, default=4)
+    _draft_sampling_arg(prof)
     prof.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     prof.add_argument("--steps", type=int, default=16)
     prof.add_argument("--eager", action="store_true")

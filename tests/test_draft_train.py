@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from grpo_specdec.draft.bootstrap import read_pairs
 from grpo_specdec.draft.capture import Sequence, capture_hidden
 from grpo_specdec.draft.head import load_head, new_head
-from grpo_specdec.draft.loss import make_batch
+from grpo_specdec.draft.loss import acceptance, make_batch
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from tests.conftest import run_cli
 
@@ -99,3 +99,41 @@ def test_pairs_file_errors_name_the_line(tmp_path):
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')
     with pytest.raises(ValueError, match=r"pairs.jsonl line 2"):
         read_pairs(bad)
+
+
+def test_acceptance_is_one_minus_total_variation_over_the_draft_vocabulary(tiny_seqs, tiny_target):
+    target, seqs = tiny_seqs
+    hidden = seqs[0].hidden[:5]
+    for vocab_ids in (None, torch.arange(0, target.config.vocab_size, 3)):
+        head = new_head(tiny_target, target, seed=1, vocab_ids=vocab_ids)
+        draft_logits = torch.randn(5, head.draft_logits(hidden).shape[-1])
+        got = acceptance(head, draft_logits, hidden, temperature=0.7)
+        p = (head.full_target_logits(hidden) / 0.7).softmax(-1)
+        q = (draft_logits / 0.7).softmax(-1)
+        if vocab_ids is not None:  # q over the whole vocabulary, zero outside the draft's
+            q = torch.zeros_like(p).index_copy_(1, vocab_ids, q)
+        assert torch.allclose(got["sampled"], 1 - 0.5 * (p - q).abs().sum(-1), atol=1e-5)
+        assert torch.allclose(got["greedy"], p.gather(1, q.argmax(-1, keepdim=True)).squeeze(1))
+        assert torch.equal(got["ceiling"], p.max(-1).values)
+
+
+def test_total_variation_term_trains_for_sampled_acceptance(tiny_seqs, tiny_target):
+    """The TV term alone (no hidden or cross-entropy loss) raises the acceptance of sampled
+    drafts, at the temperature it is given; a sign or temperature slip would not."""
+    target, seqs = tiny_seqs
+    batch = make_batch(seqs)
+    head = new_head(tiny_target, target, seed=2)
+
+    def sampled_acceptance() -> float:
+        with torch.no_grad():
+            feats = head(batch.next_ids, batch.hidden_in, batch.positions)[batch.mask]
+            acc = acceptance(head, head.draft_logits(feats), batch.hidden_out[batch.mask], 1.5)
+        return acc["sampled"].mean().item()
+
+    before = sampled_acceptance()
+    cfg = DraftTrainConfig(lr=3e-3, hidden_weight=0, ce_weight=0, tv_weight=1, temperature=1.5)
+    trainer = DraftTrainer(head, cfg)
+    stats = [trainer.step(seqs) for _ in range(10)]
+    after = sampled_acceptance()
+    assert after > before + 0.1, (before, after)
+    assert stats[-1]["sampled_acceptance"] > stats[0]["sampled_acceptance"]

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_specdec.config import StrictModel
 from grpo_specdec.draft.capture import Sequence, capture_hidden
-from grpo_specdec.draft.head import load_head, new_head
+from grpo_specdec.draft.head import draft_vocabulary, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, read_prompts_file
 from grpo_specdec.tasks.arithmetic import make_problems
@@ -40,6 +40,9 @@ class DraftBootstrapConfig(StrictModel):
     num_prompts: int = Field(512, ge=1, description="training prompts drawn from --task")
     eval_prompts: int = Field(32, ge=1)
     k: int = Field(3, ge=1)
+    draft_sampling: Literal["greedy", "probabilistic"] = Field(
+        "greedy", description="how the draft proposes while acceptance is measured"
+    )
     gen_temperature: float = Field(0.7, ge=0)
     max_tokens: int = Field(128, ge=1)
     max_model_len: int | None = Field(None, ge=64, description="default: from the model")
@@ -163,22 +166,12 @@ def _measuring_engine(cfg: DraftBootstrapConfig, draft_dir: str) -> Engine:
             speculative={
                 "draft": draft_dir,
                 "k": cfg.k,
+                "draft_sampling": cfg.draft_sampling,
                 "concurrency_aware": True,
                 "controller": {"policy": "fixed"},
             },
         )
     )
-
-
-def draft_vocabulary(seqs: list[Sequence], size: int, always: list[int]) -> torch.Tensor:
-    """The `size` token ids most frequent in the responses (plus `always`, e.g. EOS)."""
-    counts = torch.zeros(max(max(s.token_ids) for s in seqs) + 1, dtype=torch.long)
-    for s in seqs:
-        counts += torch.bincount(
-            torch.tensor(s.token_ids[s.prompt_len :], dtype=torch.long), minlength=len(counts)
-        )
-    counts[always] = counts.max() + 1
-    return counts.argsort(descending=True)[:size].sort().values
 
 
 def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:

@@ -79,7 +79,15 @@ class DraftHead(nn.Module):
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's next-token logits over the draft vocabulary."""
+        return self.full_target_logits(hidden)
+
+    def full_target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's next-token logits over its whole vocabulary."""
         return hidden @ self.lm_head_weight.to(hidden.dtype).T
+
+    def draft_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """The columns of a [..., target vocabulary] tensor that the draft vocabulary covers."""
+        return x
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -215,6 +223,9 @@ class ReducedVocabHead(DraftHead):
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.lm_head_weight[self.vocab_ids].to(hidden.dtype).T
 
+    def draft_columns(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., self.vocab_ids]
+
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(features))
 
@@ -241,6 +252,17 @@ class ReducedVocabHead(DraftHead):
                 }
             )
         return sd
+
+
+def draft_vocabulary(seqs, size: int, always: list[int]) -> torch.Tensor:
+    """The `size` token ids most frequent in the responses of `seqs` (plus `always`, e.g. EOS)."""
+    counts = torch.zeros(max(max(s.token_ids) for s in seqs) + 1, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(
+            torch.tensor(s.token_ids[s.prompt_len :], dtype=torch.long), minlength=len(counts)
+        )
+    counts[always] = counts.max() + 1
+    return counts.argsort(descending=True)[:size].sort().values
 
 
 def target_embeddings(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

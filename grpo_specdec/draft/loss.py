@@ -1,4 +1,12 @@
-"""The EAGLE distillation loss: regress the next hidden state, match the next-token distribution."""
+"""The EAGLE distillation loss: regress the next hidden state, match the next-token
+distribution; optionally also the acceptance of sampled drafting.
+
+With sampled drafting (the draft samples x ~ q and verification accepts it with
+probability min(1, p(x)/q(x))) a draft token is accepted with probability
+sum_x min(p(x), q(x)) = 1 - TV(p, q), at the rollout temperature. `tv_weight` adds
+TV(p, q) to the loss, p over the target's whole vocabulary (a reduced draft vocabulary
+forgoes the mass outside it). Soft cross-entropy alone aims q at p too, but weighs every
+token by log q: it spends its gradient on the tail, which acceptance barely feels."""
 
 from __future__ import annotations
 
@@ -43,8 +51,26 @@ def make_batch(seqs: list[Sequence]) -> DraftBatch:
     return DraftBatch(ids[:, 1:], hidden[:, :-1], hidden[:, 1:], positions, mask)
 
 
+def acceptance(head: DraftHead, draft_logits, target_hidden, temperature: float) -> dict:
+    """Per row, at `temperature`: the chance a sampled draft is accepted, sum(min(p, q));
+    a greedy draft's, p(argmax q); and the ceiling of greedy drafting, max p."""
+    p = (head.full_target_logits(target_hidden) / temperature).softmax(-1)
+    q = (draft_logits / temperature).softmax(-1)
+    p_draft = head.draft_columns(p)
+    return {
+        "sampled": torch.minimum(p_draft, q).sum(-1),
+        "greedy": p_draft.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1),
+        "ceiling": p.max(-1).values,
+    }
+
+
 def eagle_loss(
-    head: DraftHead, batch: DraftBatch, hidden_weight: float = 2.0, ce_weight: float = 0.1
+    head: DraftHead,
+    batch: DraftBatch,
+    hidden_weight: float = 2.0,
+    ce_weight: float = 0.1,
+    tv_weight: float = 0.0,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
     feats = head(batch.next_ids, batch.hidden_in, batch.positions)
     m = batch.mask
@@ -56,10 +82,16 @@ def eagle_loss(
         target_probs = target_logits.softmax(-1)
     l_ce = -(target_probs * draft_logits.log_softmax(-1)).sum(-1).mean()
     loss = hidden_weight * l_hidden + ce_weight * l_ce
+    stats = {}
+    if tv_weight:
+        accepted = acceptance(head, draft_logits, tgt, temperature)["sampled"].mean()
+        loss = loss + tv_weight * (1.0 - accepted)
+        stats["sampled_acceptance"] = accepted.item()
     top1 = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
     return loss, {
         "loss": loss.item(),
         "hidden_loss": l_hidden.item(),
         "ce_loss": l_ce.item(),
         "top1": top1.item(),
+        **stats,
     }

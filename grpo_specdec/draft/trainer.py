@@ -20,6 +20,14 @@ class DraftTrainConfig(StrictModel):
     grad_clip: float = Field(1.0, gt=0)
     hidden_weight: float = Field(2.0, ge=0)
     ce_weight: float = Field(0.1, ge=0)
+    tv_weight: float = Field(
+        0.0,
+        ge=0,
+        description="weight of TV(p, q) at `temperature`: 1 minus a sampled draft's acceptance",
+    )
+    temperature: float = Field(
+        1.0, gt=0, description="the sampling temperature whose acceptance tv_weight trains for"
+    )
     batch_size: int = Field(8, ge=1)
     epochs: int = Field(1, ge=1, description="passes over each rollout's sequences")
 
@@ -38,8 +46,14 @@ class DraftTrainer:
         """One optimiser step. Non-finite loss or gradients skip it and leave weights untouched."""
         self.head.train()
         self.opt.zero_grad(set_to_none=True)
+        cfg = self.cfg
         loss, stats = eagle_loss(
-            self.head, make_batch(seqs), self.cfg.hidden_weight, self.cfg.ce_weight
+            self.head,
+            make_batch(seqs),
+            cfg.hidden_weight,
+            cfg.ce_weight,
+            cfg.tv_weight,
+            cfg.temperature,
         )
         ok = math.isfinite(stats["loss"])
         if ok:
