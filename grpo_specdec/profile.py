@@ -13,6 +13,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import Field
@@ -27,6 +28,10 @@ from vllm_plugin.settings import profile_key, store_path
 class ProfileConfig(StrictModel):
     model: str
     draft: str = Field(description="EAGLE head: steps with k drafts per sequence are timed")
+    draft_sampling: Literal["greedy", "probabilistic"] = Field(
+        "greedy",
+        description="probabilistic: time sampled drafting, with requests sampling at T = 1",
+    )
     dtype: Dtype = "auto"
     k_max: int = Field(4, ge=1, le=16)
     batch_sizes: list[int] = [1, 2, 4, 8, 16, 32, 64]
@@ -35,7 +40,9 @@ class ProfileConfig(StrictModel):
     enforce_eager: bool = False
 
 
-def _time_steps(engine: Engine, prompts: list[str], batch: int, k: int, steps: int) -> list[float]:
+def _time_steps(
+    engine: Engine, prompts: list[str], batch: int, k: int, steps: int, temperature: float
+) -> list[float]:
     """Milliseconds of each decode-only step with exactly `batch` running and `k` drafted."""
     scheduler = engine.scheduler()
     scheduler.set_policy(FixedPolicy(k))
@@ -43,7 +50,10 @@ def _time_steps(engine: Engine, prompts: list[str], batch: int, k: int, steps: i
     # Enough tokens for `steps` decode steps even if every draft is accepted, plus a few
     # for prefill and the first step, whose draft length differs.
     engine.generate(
-        prompts[:batch], SamplingSettings(max_tokens=(steps + 4) * (k + 1), ignore_eos=True)
+        prompts[:batch],
+        SamplingSettings(
+            temperature=temperature, max_tokens=(steps + 4) * (k + 1), ignore_eos=True
+        ),
     )
     trace = scheduler.steps_since(mark)
     return [
@@ -66,6 +76,7 @@ def measure(cfg: ProfileConfig, log=print) -> list[dict]:
             speculative={
                 "draft": cfg.draft,
                 "k": cfg.k_max,
+                "draft_sampling": cfg.draft_sampling,
                 "concurrency_aware": True,
                 "controller": {"policy": "fixed", "fixed_k": cfg.k_max},
             },
@@ -73,11 +84,13 @@ def measure(cfg: ProfileConfig, log=print) -> list[dict]:
     )
     try:
         prompts = [p.question for p in make_problems(max_batch, seed=1, level=2)]
-        _time_steps(engine, prompts, max_batch, cfg.k_max, 4)  # warm up every code path
+        temperature = 0.0 if cfg.draft_sampling == "greedy" else 1.0
+        # warm up every code path
+        _time_steps(engine, prompts, max_batch, cfg.k_max, 4, temperature)
         rows = []
         for batch in cfg.batch_sizes:
             for k in range(cfg.k_max + 1):
-                samples = _time_steps(engine, prompts, batch, k, cfg.steps)
+                samples = _time_steps(engine, prompts, batch, k, cfg.steps, temperature)
                 if samples:
                     ms = statistics.median(samples)
                     rows.append(
@@ -100,7 +113,7 @@ def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
         [r["batch"] for r in rows], [r["k"] for r in rows], [r["ms"] for r in rows]
     )
     return {
-        "key": profile_key(cfg.model, cfg.dtype, cfg.draft),
+        "key": profile_key(cfg.model, cfg.dtype, cfg.draft, cfg.draft_sampling),
         "latency": latency.to_dict(),
         "fit_rms_ms": rms,
         "measurements": rows,

@@ -89,16 +89,20 @@ def hardware_name() -> str:
 PROFILE_FORMAT = 3
 
 
-def profile_key(model: str, dtype, draft: str | None) -> dict:
+def profile_key(model: str, dtype, draft: str | None, draft_sampling: str = "greedy") -> dict:
     """What a latency profile is stored under. `dtype` may be as asked ("auto" too) or
-    as vLLM chose it: the key holds the dtype the engine runs in, either way."""
-    return {
+    as vLLM chose it: the key holds the dtype the engine runs in, either way. Sampled
+    drafting costs differently (its steps are timed sampling at T = 1), so it is named."""
+    key = {
         "format": PROFILE_FORMAT,
         "model": str(Path(model).resolve()) if Path(model).exists() else model,
         "dtype": engine_dtype(model, dtype),
         "draft_arch": _draft_arch(draft),
         "hardware": hardware_name(),
     }
+    if draft_sampling != "greedy":
+        key["draft_sampling"] = draft_sampling
+    return key
 
 
 def engine_dtype(model: str, dtype) -> str:
@@ -140,12 +144,15 @@ def load_latency(settings: ControllerSettings, vllm_config):
         vllm_config.model_config.model,
         vllm_config.model_config.dtype,
         spec.model if spec else None,
+        spec.draft_sample_method if spec else "greedy",
     )
     path = Path(settings.profile) if settings.profile else store_path(key)
     if not path.is_file():
         raise FileNotFoundError(
             f"no latency profile at {path} for {key}; run `grpo-specdec profile --model "
-            f"{vllm_config.model_config.model} --draft {spec.model if spec else 'DRAFT'}` first, "
+            f"{vllm_config.model_config.model} --draft {spec.model if spec else 'DRAFT'}"
+            f"{' --draft-sampling ' + spec.draft_sample_method if key.get('draft_sampling') else ''}"
+            "` first, "
             f"or name a profile in the GRPO_SPECDEC_CONTROLLER settings"
         )
     return LatencyModel.from_dict(json.loads(path.read_text())["latency"])

@@ -45,10 +45,24 @@ class RolloutSettings(StrictModel):
     max_tokens: int = Field(128, ge=1)
     speculation: Literal["off", "fixed", "concurrency_aware"] = "concurrency_aware"
     k: int = Field(4, ge=1, le=16, description="draft tokens (the most, when concurrency-aware)")
+    draft_sampling: Literal["greedy", "probabilistic"] = Field(
+        "greedy",
+        description="the draft proposes its argmax, or samples from its distribution q "
+        "(accepted with probability sum(min(p, q)) instead of p(argmax q))",
+    )
     controller: ControllerSettings = ControllerSettings()
     max_model_len: int | None = Field(None, ge=64, description="default: from the model")
     kv_cache_gib: float = Field(1.0, gt=0)
     enforce_eager: bool = False
+
+    @model_validator(mode="after")
+    def _one_hot_group_drafts(self) -> RolloutSettings:
+        if self.draft_sampling != "greedy" and self.controller.group.enabled:
+            raise ValueError(
+                "rollout.draft_sampling=probabilistic and rollout.controller.group.enabled: "
+                "group drafts are one-hot; use draft_sampling greedy with group drafts"
+            )
+        return self
 
     @field_validator("speculation", mode="before")
     @classmethod
@@ -98,3 +112,10 @@ class TrainConfig(StrictModel):
     )
     out: str = "runs/grpo"
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _draft_trains_for_the_rollout_temperature(self) -> TrainConfig:
+        train = self.draft.train
+        if "temperature" not in train.model_fields_set:
+            train.temperature = self.rollout.temperature
+        return self

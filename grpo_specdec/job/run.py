@@ -248,6 +248,7 @@ class Job:
             spec = {
                 "draft": draft_dir,
                 "k": r.k,
+                "draft_sampling": r.draft_sampling,
                 "concurrency_aware": r.speculation == "concurrency_aware",
                 "controller": r.controller.model_dump(),
             }
