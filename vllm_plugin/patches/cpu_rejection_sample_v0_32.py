@@ -81,10 +81,12 @@ def rejection_sample(
     draft = draft_token_ids.long()
     req = torch.repeat_interleave(torch.arange(batch, device=device), counts)
     pos = torch.arange(n, device=device) - (torch.cumsum(counts, 0) - counts)[req]
-    probs = target_logits.softmax(dim=-1, dtype=torch.float32)
+    # p at the drafted tokens from one log-sum-exp pass; whole rows of p only where a draft
+    # was rejected (at most one per request), not [num_tokens, vocab] of them.
+    logits = target_logits.float()
     valid = draft >= 0  # -1 marks padded drafts, always rejected
     safe = draft.clamp(min=0)[:, None]
-    p = probs.gather(1, safe).squeeze(1)
+    p = (logits.gather(1, safe).squeeze(1) - torch.logsumexp(logits, dim=-1)).exp()
     if draft_probs is None:
         q = torch.ones_like(p)
     elif vocab_ids is None:
@@ -106,7 +108,7 @@ def rejection_sample(
 
     # At the first rejection, a token from the residual distribution (one row per request).
     rows = (rejected & (pos == n_accepted[req])).nonzero().squeeze(1)
-    target = probs[rows]
+    target = logits[rows].softmax(dim=-1)
     # What the rejected draft takes out of p; a padded draft takes nothing out.
     residual = target.clone()
     hit = valid[rows].nonzero().squeeze(1)
