@@ -35,12 +35,20 @@ def test_patch_is_installed_in_engine_processes_on_cpu(eagle_engine):
 
 
 def test_sampled_speculation_follows_the_target(eagle_engine, plain_engine, questions):
-    """At a temperature near 0 the sampled path must reproduce greedy decoding; without
-    the fix the target probabilities are garbage and so is the text."""
+    """At a temperature near 0 the sampled path must all but reproduce greedy decoding;
+    without the fix the target probabilities are garbage and so is the text. vLLM raises
+    any temperature below 0.01 to 0.01, where a runner-up within ~0.03 in log-probability
+    still has a few per cent: the tiny model has such near-ties, so a prompt or two of
+    eight may legitimately part from greedy (measured: 3 of 64 sequences over 8 runs, each
+    a runner-up of probability 0.03-0.2 at T = 0.01)."""
     prompts = questions[:8]
     greedy = plain_engine.generate(prompts, SamplingSettings(temperature=0.0, max_tokens=32))
     sampled = eagle_engine.generate(prompts, SamplingSettings(temperature=1e-4, max_tokens=32))
-    assert [g[0].token_ids for g in sampled.outputs] == [g[0].token_ids for g in greedy.outputs]
+    same = [
+        s[0].token_ids == g[0].token_ids
+        for s, g in zip(sampled.outputs, greedy.outputs, strict=True)
+    ]
+    assert sum(same) >= 5, same
     assert sampled.spec["mean_acceptance_length"] > 1.5
 
 
