@@ -93,10 +93,12 @@ def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200) -> str:
     return str(out)
 
 
-def smollm2_profile(target: str, draft: str, k_max: int) -> Path:
-    """The latency profile of SmolLM2 with this head (its draft step cost is the head's).
-    A profile measured up to a larger k serves too: the fitted model does not depend on it."""
-    name = f"{Path(draft).name}-f{PROFILE_FORMAT}"
+def smollm2_profile(target: str, draft: str, k_max: int, draft_sampling: str = "greedy") -> Path:
+    """The latency profile of SmolLM2 with this head (its draft step cost is the head's),
+    drafting greedily or sampling (timed at T = 1). A profile measured up to a larger k
+    serves too: the fitted model does not depend on it."""
+    sampled = "" if draft_sampling == "greedy" else f"-{draft_sampling}"
+    name = f"{Path(draft).name}{sampled}-f{PROFILE_FORMAT}"
     measured = sorted(Path(draft).parent.glob(f"profile-{name}-k*.json"))
     covering = [p for p in measured if int(p.stem.rsplit("-k", 1)[1]) >= k_max]
     if covering:
@@ -111,6 +113,8 @@ def smollm2_profile(target: str, draft: str, k_max: int) -> Path:
         draft,
         "--k-max",
         str(k_max),
+        "--draft-sampling",
+        draft_sampling,
         "--out",
         str(out),
         "--plot",

@@ -154,6 +154,22 @@ def group_configs(
     }
 
 
+def sampled_configs(
+    sampled: Engine, latency: LatencyModel, k_max: int, max_batch: int
+) -> dict[str, Config]:
+    """The same head drafting by sampling (q handed to verification): fixed k and ours,
+    each with its own estimator, priced on the profile of sampled drafting."""
+    scheduler = sampled.scheduler()
+    ours = scheduler.new_acceptance()
+    return {
+        **{
+            f"sampled k={k}": Config(sampled, FixedPolicy(k), scheduler.new_acceptance())
+            for k in range(1, k_max + 1)
+        },
+        "sampled ours": Config(sampled, GoodputPolicy(latency, ours, max_batch), ours),
+    }
+
+
 def few_in_flight_share(trace: list) -> float:
     """Share of the rollout's wall time spent in steps with at most FEW_IN_FLIGHT running."""
     if len(trace) < 2:
@@ -207,6 +223,15 @@ def main() -> None:
         help="also compare drafts from the group's text (alone and with EAGLE)",
     )
     ap.add_argument("--group-k-max", type=int, default=8, help="longest group-only draft")
+    ap.add_argument(
+        "--sampled",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also compare the head drafting by sampling (draft_sampling: probabilistic)",
+    )
+    ap.add_argument(
+        "--head", default=None, help="the SmolLM2 policy's head (default: the bootstrapped one)"
+    )
     ap.add_argument("--out", default=str(DOCS / "BENCHMARKS.md"))
     ap.add_argument(
         "--section",
@@ -220,10 +245,13 @@ def main() -> None:
     shapes = [s for s in args.shapes.split(",") if s]
 
     target = smollm2()
-    head = smollm2_head(target)
-    profile_path = smollm2_profile(target, head, args.k_max)
+    # Every head of the default's architecture and vocabulary size costs the same.
+    profile_path = smollm2_profile(target, smollm2_head(target), args.k_max)
     latency = LatencyModel.from_dict(load_json(profile_path)["latency"])
-    models = {"base": (target, head)}
+    if args.sampled:
+        sampled_profile = smollm2_profile(target, smollm2_head(target), args.k_max, "probabilistic")
+        sampled_latency = LatencyModel.from_dict(load_json(sampled_profile)["latency"])
+    models = {"base": (target, args.head or smollm2_head(target))}
     if any(SHAPES[s][0] == "trained" for s in shapes):
         models["trained"] = trained_policy(args.trained_iterations, args.trained_lr)
     max_batch = max([*batch_sizes, *(SHAPES[s][1] * SHAPES[s][2] for s in shapes)])
@@ -289,6 +317,20 @@ def main() -> None:
                 )
             )
             engines += [group_only, hybrid]
+        if args.sampled:
+            sampled = Engine(
+                EngineConfig(
+                    **common,
+                    speculative={
+                        "draft": draft,
+                        "k": args.k_max,
+                        "draft_sampling": "probabilistic",
+                        "concurrency_aware": True,
+                        "controller": {"policy": "goodput", "profile": str(sampled_profile)},
+                    },
+                )
+            )
+            engines.append(sampled)
         # Calibrate the static table the way a user would: measure acceptance once at
         # k_max, on this policy's own GRPO-shaped rollout.
         spec.scheduler().set_policy(FixedPolicy(args.k_max))
@@ -305,6 +347,8 @@ def main() -> None:
         configs = compared_configs(plain, spec, latency, tables[name], args.k_max, max_batch)
         if args.group:
             configs.update(group_configs(group_only, hybrid, latency, max_batch))
+        if args.sampled:
+            configs.update(sampled_configs(sampled, sampled_latency, args.k_max, max_batch))
         # "+history": the answers of an earlier rollout of the same prompts by this policy
         # (as in a GRPO epoch that comes back to them), made once with no speculation.
         history = {
@@ -391,7 +435,13 @@ def report(r: dict) -> str:
         "## Rollout throughput (SmolLM2-135M, CPU)",
         "",
         f"Measured with `python benchmarks/rollout_throughput.py` on {r['hardware']}, "
-        f"k_max = {r['k_max']}, default head (reduced vocabulary), profiled C_peak = "
+        f"k_max = {r['k_max']}, "
+        + (
+            f"head `{Path(a['head']).name}`"
+            if a.get("head")
+            else "default head (reduced vocabulary)"
+        )
+        + ", profiled C_peak = "
         f"{r['c_peak']:.0f} tokens. Median of {a['repeats']} interleaved repeats; every "
         "configuration in one run, each from its own estimator and an empty prefix cache. "
         "Generated tokens/s (ratio to no speculation).",
