@@ -131,3 +131,21 @@ def test_group_drafts_refuse_sampled_drafting(tiny_target, tiny_draft):
                 "controller": {"group": {"enabled": True}},
             },
         )
+
+
+def test_job_config_trains_the_draft_for_the_rollout_temperature():
+    from grpo_specdec.job.config import TrainConfig
+
+    cfg = TrainConfig(model={"policy": "tiny"}, rollout={"temperature": 0.8})
+    assert cfg.draft.train.temperature == 0.8
+    cfg = TrainConfig(
+        model={"policy": "tiny"},
+        rollout={"temperature": 0.8},
+        draft={"train": {"temperature": 1.3}},
+    )
+    assert cfg.draft.train.temperature == 1.3
+    with pytest.raises(ValueError, match="rollout.draft_sampling=probabilistic and rollout"):
+        TrainConfig(
+            model={"policy": "tiny"},
+            rollout={"draft_sampling": "probabilistic", "controller": {"group": {"enabled": True}}},
+        )
