@@ -58,11 +58,13 @@ def smollm2_head(target: str, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> 
     return str(out)
 
 
-def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200) -> str:
+def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200, prompts: int = 512) -> str:
     """The default head refined for sampling at T = 1: `steps` more steps on the policy's
-    T = 1 samples, with the EAGLE loss (`tv_weight` 0) or with the TV term added."""
+    T = 1 answers to `prompts` prompts, with the EAGLE loss (`tv_weight` 0) or with the
+    TV term added."""
     start = smollm2_head(target)
-    out = Path(start).parent / f"{Path(start).name}-t1-tv{tv_weight:g}-s{steps}"
+    more = "" if prompts == 512 else f"-p{prompts}"
+    out = Path(start).parent / f"{Path(start).name}-t1-tv{tv_weight:g}-s{steps}{more}"
     if not (out / "model.safetensors").is_file():
         cli(
             "draft",
@@ -78,7 +80,7 @@ def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200) -> str:
             "--steps",
             str(steps),
             "--num-prompts",
-            "512",
+            str(prompts),
             "--max-tokens",
             "128",
             "--gen-temperature",
