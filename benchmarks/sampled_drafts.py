@@ -52,6 +52,7 @@ from vllm_plugin.patches.cpu_sampled_drafts_v0_32 import sample_draft
 from vllm_plugin.settings import hardware_name
 
 K_MAX = 5
+SCALES = (0.8, 0.9, 1.1, 1.25)  # draft logits divided by these: q flattened (> 1) or sharpened
 MAX_TOKENS = 128
 
 
@@ -91,9 +92,16 @@ def offline(target: str, heads: dict[str, str], prompts: list[str]) -> dict:
                 batch = make_batch(seqs[start : start + 8])
                 m = batch.mask
                 feats = head(batch.next_ids, batch.hidden_in, batch.positions)[m]
-                acc = acceptance(head, head.draft_logits(feats), batch.hidden_out[m], 1.0)
-                for key in sums:
+                logits = head.draft_logits(feats)
+                acc = acceptance(head, logits, batch.hidden_out[m], 1.0)
+                for key in ("sampled", "greedy", "ceiling"):
                     sums[key] += acc[key].sum().item()
+                # q sharpened or flattened against p (still lossless: q is what is handed on)
+                for scale in SCALES:
+                    scaled = acceptance(head, logits / scale, batch.hidden_out[m], 1.0)
+                    sums[f"sampled@{scale:g}"] = (
+                        sums.get(f"sampled@{scale:g}", 0.0) + scaled["sampled"].sum().item()
+                    )
                 count += int(m.sum())
         out[name] = {key: v / count for key, v in sums.items()} | {"tokens": count}
         print(name, out[name], flush=True)
@@ -214,6 +222,20 @@ def report(r: dict) -> str:
     ]
     for name, o in r["offline"].items():
         lines.append(f"| {name} | {o['sampled']:.3f} | {o['greedy']:.3f} | {o['ceiling']:.3f} |")
+    lines += [
+        "",
+        "Sampled acceptance with the draft's logits divided by a scale before sampling (q "
+        "flatter above 1, sharper below; any q stays lossless):",
+        "",
+        "| head | " + " | ".join(f"scale {s:g}" for s in (*SCALES[:2], 1.0, *SCALES[2:])) + " |",
+        "|---|" + "---|" * (len(SCALES) + 1),
+    ]
+    for name, o in r["offline"].items():
+        cells = [
+            o[f"sampled@{s:g}"] if s != 1.0 else o["sampled"]
+            for s in (*SCALES[:2], 1.0, *SCALES[2:])
+        ]
+        lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     lines += [
         "",
         "### In the engine: mean acceptance length at T=1, k = 1..5 (per-position acceptance at k = 3)",
