@@ -187,7 +187,9 @@ class Job:
             return
         from grpo_specdec.profile import ProfileConfig, run_profile
 
-        path = store_path(profile_key(self.base_policy, self.cfg.model.engine_dtype, draft_dir))
+        path = store_path(
+            profile_key(self.base_policy, self.cfg.model.engine_dtype, draft_dir, r.draft_sampling)
+        )
         if not path.is_file():
             self.log(
                 f"no latency profile for {self.base_policy} on this hardware yet: profiling it first"
@@ -196,6 +198,7 @@ class Job:
                 ProfileConfig(
                     model=self.base_policy,
                     draft=draft_dir,
+                    draft_sampling=r.draft_sampling,
                     dtype=self.cfg.model.engine_dtype,
                     k_max=r.k,
                     enforce_eager=r.enforce_eager,
