@@ -120,6 +120,7 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
         "--config",
         CONFIG,
         *job_overrides(tiny_target, tiny_draft, job_profile, out, 4),
+        "rollout.draft_sampling=probabilistic",  # sampled drafts, through a resume
     ]
     log = open(tmp_path / "first.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -143,6 +144,7 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     resumed = run_cli(*args, "compare_at_end=true", "--resume", str(out), timeout=900)
     records = job_records(out)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # none lost, none counted twice
+    assert any(r["mean_acceptance_length"] > 1.0 for r in records)
     final = torch.load(out / "checkpoints" / "iter_000004" / "policy_state.pt", weights_only=True)
     steps = sum(r["policy_steps"] for r in records)
     assert final["version"] == steps
