@@ -38,24 +38,29 @@ def smollm2_head(target: str, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> 
     out = head_dir(draft_vocab)
     if not (out / "model.safetensors").is_file():
         extra = [] if draft_vocab is None else ["--draft-vocab", str(draft_vocab)]
-        cli(
-            "draft",
-            "train",
-            "--target",
-            target,
-            "--task",
-            "arithmetic",
-            "--out",
-            str(out),
-            "--steps",
-            "300",
-            "--num-prompts",
-            "512",
-            "--max-tokens",
-            "128",
-            *extra,
-        )
+        _draft_train(target, out, 300, 512, *extra)
     return str(out)
+
+
+def _draft_train(target: str, out: Path, steps: int, prompts: int, *flags: str) -> None:
+    """`grpo-specdec draft train` on the arithmetic task, 128-token answers."""
+    cli(
+        "draft",
+        "train",
+        "--target",
+        target,
+        "--task",
+        "arithmetic",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--num-prompts",
+        str(prompts),
+        "--max-tokens",
+        "128",
+        *flags,
+    )
 
 
 def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200, prompts: int = 512) -> str:
@@ -66,23 +71,13 @@ def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200, prompts: in
     more = "" if prompts == 512 else f"-p{prompts}"
     out = Path(start).parent / f"{Path(start).name}-t1-tv{tv_weight:g}-s{steps}{more}"
     if not (out / "model.safetensors").is_file():
-        cli(
-            "draft",
-            "train",
-            "--target",
+        _draft_train(
             target,
-            "--task",
-            "arithmetic",
+            out,
+            steps,
+            prompts,
             "--init",
             start,
-            "--out",
-            str(out),
-            "--steps",
-            str(steps),
-            "--num-prompts",
-            str(prompts),
-            "--max-tokens",
-            "128",
             "--gen-temperature",
             "1.0",
             "--tv-weight",
@@ -123,6 +118,27 @@ def smollm2_profile(target: str, draft: str, k_max: int, draft_sampling: str = "
         str(ASSETS / f"profile_{name}.png"),
     )
     return out
+
+
+def fixed_k_engine(target: str, head: str, k_max: int, draft_sampling: str = "greedy"):
+    """A SmolLM2 engine with this head whose k the caller sets per run
+    (`engine.scheduler().set_policy(FixedPolicy(k))`, k <= k_max)."""
+    from grpo_specdec.engine import Engine, EngineConfig
+
+    return Engine(
+        EngineConfig(
+            model=target,
+            max_model_len=1024,
+            seed=0,
+            speculative={
+                "draft": head,
+                "k": k_max,
+                "draft_sampling": draft_sampling,
+                "concurrency_aware": True,
+                "controller": {"policy": "fixed"},
+            },
+        )
+    )
 
 
 def write_section(doc: Path, marker: str, body: str) -> None:

@@ -22,12 +22,13 @@ from safetensors.torch import load_file
 from benchmarks.common import (
     ASSETS,
     DOCS,
+    fixed_k_engine,
     smollm2,
     smollm2_head,
     smollm2_profile,
     write_section,
 )
-from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+from grpo_specdec.engine import SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
 from vllm_plugin.controller import FixedPolicy, LatencyModel
 from vllm_plugin.settings import hardware_name
@@ -39,19 +40,7 @@ DRAFT_VOCAB = 4096
 def measure(
     target: str, draft: str, profile: Path, prompts: list[str], policy_weights: dict
 ) -> dict:
-    engine = Engine(
-        EngineConfig(
-            model=target,
-            max_model_len=1024,
-            seed=0,
-            speculative={
-                "draft": draft,
-                "k": K,
-                "concurrency_aware": True,
-                "controller": {"policy": "fixed"},
-            },
-        )
-    )
+    engine = fixed_k_engine(target, draft, K)
     try:
         engine.scheduler().set_policy(FixedPolicy(K))
         acc = {}

@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM
 from benchmarks.common import (
     ASSETS,
     DOCS,
+    fixed_k_engine,
     smollm2,
     smollm2_head,
     smollm2_t1_head,
@@ -112,20 +113,7 @@ def offline(target: str, heads: dict[str, str], prompts: list[str]) -> dict:
 
 
 def engine_acceptance(target: str, head: str, draft_sampling: str, prompts: list[str]) -> dict:
-    engine = Engine(
-        EngineConfig(
-            model=target,
-            max_model_len=1024,
-            seed=0,
-            speculative={
-                "draft": head,
-                "k": K_MAX,
-                "draft_sampling": draft_sampling,
-                "concurrency_aware": True,
-                "controller": {"policy": "fixed"},
-            },
-        )
-    )
+    engine = fixed_k_engine(target, head, K_MAX, draft_sampling)
     out = {}
     try:
         for k in range(1, K_MAX + 1):
