@@ -5,8 +5,9 @@ With sampled drafting (the draft samples x ~ q and verification accepts it with
 probability min(1, p(x)/q(x))) a draft token is accepted with probability
 sum_x min(p(x), q(x)) = 1 - TV(p, q), at the rollout temperature. `tv_weight` adds
 TV(p, q) to the loss, p over the target's whole vocabulary (a reduced draft vocabulary
-forgoes the mass outside it). Soft cross-entropy alone aims q at p too, but weighs every
-token by log q: it spends its gradient on the tail, which acceptance barely feels."""
+forgoes the mass outside it). Soft cross-entropy alone aims q at p too; on SmolLM2 the
+added term measured no better (docs/BENCHMARKS.md, "Sampled drafting"), so it is off by
+default."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         if vocab_ids is None:
             return original(self, hidden_states, sampling_metadata)
         # The argmax of the head's own logits, not of them scattered into the target's
-        # vocabulary among -inf (2.6 ms per draft position at 64 sequences).
+        # vocabulary among -inf (0.08 vs 1.2 ms per draft position at 64 sequences).
         return vocab_ids[
             self.model.logits_processor(self.model.lm_head, hidden_states).argmax(dim=-1)
         ], None
