@@ -41,7 +41,7 @@ class ProfileConfig(StrictModel):
 
 
 def _time_steps(
-    engine: Engine, prompts: list[str], batch: int, k: int, steps: int, temperature: float
+    engine: Engine, prompts: list[str], batch: int, k: int, steps: int, temperature: float = 0.0
 ) -> list[float]:
     """Milliseconds of each decode-only step with exactly `batch` running and `k` drafted."""
     scheduler = engine.scheduler()
