@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
+
+# vLLM's `draft_sample_method`: the draft proposes its argmax, or samples from its q.
+DraftSampling = Literal["greedy", "probabilistic"]
 
 
 class StrictModel(BaseModel):

@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from grpo_specdec.config import StrictModel
+from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.modelcheck import (
     check_draft_matches_target,
     check_model_dir,
@@ -44,7 +44,7 @@ class SpeculativeSettings(StrictModel):
         "draft model, only drafts from the group's text (controller.group.enabled)"
     )
     k: int = Field(3, ge=1, le=16, description="draft tokens per step (the most, when adaptive)")
-    draft_sampling: Literal["greedy", "probabilistic"] = Field(
+    draft_sampling: DraftSampling = Field(
         "greedy",
         description="greedy: the draft proposes its argmax, accepted with probability p(argmax); "
         "probabilistic: it samples from its distribution q at the request's temperature and "

@@ -13,12 +13,11 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from pydantic import Field
 
-from grpo_specdec.config import StrictModel
+from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.engine import Dtype, Engine, EngineConfig, SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
 from vllm_plugin.controller import FixedPolicy, LatencyModel, fit_latency
@@ -28,7 +27,7 @@ from vllm_plugin.settings import profile_key, store_path
 class ProfileConfig(StrictModel):
     model: str
     draft: str = Field(description="EAGLE head: steps with k drafts per sequence are timed")
-    draft_sampling: Literal["greedy", "probabilistic"] = Field(
+    draft_sampling: DraftSampling = Field(
         "greedy",
         description="probabilistic: time sampled drafting, with requests sampling at T = 1",
     )

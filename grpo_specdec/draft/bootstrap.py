@@ -18,7 +18,7 @@ import torch
 from pydantic import Field, model_validator
 from transformers import AutoModelForCausalLM
 
-from grpo_specdec.config import StrictModel
+from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.draft.capture import Sequence, capture_hidden
 from grpo_specdec.draft.head import draft_vocabulary, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
@@ -40,7 +40,7 @@ class DraftBootstrapConfig(StrictModel):
     num_prompts: int = Field(512, ge=1, description="training prompts drawn from --task")
     eval_prompts: int = Field(32, ge=1)
     k: int = Field(3, ge=1)
-    draft_sampling: Literal["greedy", "probabilistic"] = Field(
+    draft_sampling: DraftSampling = Field(
         "greedy", description="how the draft proposes while acceptance is measured"
     )
     gen_temperature: float = Field(0.7, ge=0)

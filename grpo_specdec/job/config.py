@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from grpo_specdec.config import StrictModel
+from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import Aggregation
 from vllm_plugin.settings import ControllerSettings
@@ -45,7 +45,7 @@ class RolloutSettings(StrictModel):
     max_tokens: int = Field(128, ge=1)
     speculation: Literal["off", "fixed", "concurrency_aware"] = "concurrency_aware"
     k: int = Field(4, ge=1, le=16, description="draft tokens (the most, when concurrency-aware)")
-    draft_sampling: Literal["greedy", "probabilistic"] = Field(
+    draft_sampling: DraftSampling = Field(
         "greedy",
         description="the draft proposes its argmax, or samples from its distribution q "
         "(accepted with probability sum(min(p, q)) instead of p(argmax q))",
