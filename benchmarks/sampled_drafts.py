@@ -89,7 +89,8 @@ def offline(target: str, heads: dict[str, str], prompts: list[str]) -> dict:
     out = {}
     for name, path in heads.items():
         head = load_head(path, target, model).eval()
-        sums = {"sampled": 0.0, "greedy": 0.0, "ceiling": 0.0}
+        scaled_keys = [f"sampled@{scale:g}" for scale in SCALES]
+        sums = dict.fromkeys(["sampled", "greedy", "ceiling", *scaled_keys], 0.0)
         count = 0
         with torch.no_grad():
             for start in range(0, len(seqs), 8):
@@ -101,11 +102,9 @@ def offline(target: str, heads: dict[str, str], prompts: list[str]) -> dict:
                 for key in ("sampled", "greedy", "ceiling"):
                     sums[key] += acc[key].sum().item()
                 # q sharpened or flattened against p (still lossless: q is what is handed on)
-                for scale in SCALES:
+                for scale, key in zip(SCALES, scaled_keys, strict=True):
                     scaled = acceptance(head, logits / scale, batch.hidden_out[m], 1.0)
-                    sums[f"sampled@{scale:g}"] = (
-                        sums.get(f"sampled@{scale:g}", 0.0) + scaled["sampled"].sum().item()
-                    )
+                    sums[key] += scaled["sampled"].sum().item()
                 count += int(m.sum())
         out[name] = {key: v / count for key, v in sums.items()} | {"tokens": count}
         print(name, out[name], flush=True)
@@ -220,14 +219,11 @@ def report(r: dict) -> str:
         "Sampled acceptance with the draft's logits divided by a scale before sampling (q "
         "flatter above 1, sharper below; any q stays lossless):",
         "",
-        "| head | " + " | ".join(f"scale {s:g}" for s in (*SCALES[:2], 1.0, *SCALES[2:])) + " |",
+        "| head | " + " | ".join(f"scale {s:g}" for s in sorted((*SCALES, 1.0))) + " |",
         "|---|" + "---|" * (len(SCALES) + 1),
     ]
     for name, o in r["offline"].items():
-        cells = [
-            o[f"sampled@{s:g}"] if s != 1.0 else o["sampled"]
-            for s in (*SCALES[:2], 1.0, *SCALES[2:])
-        ]
+        cells = [o[f"sampled@{s:g}"] if s != 1.0 else o["sampled"] for s in sorted((*SCALES, 1.0))]
         lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     lines += [
         "",

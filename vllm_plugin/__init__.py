@@ -4,8 +4,8 @@
 it starts. Features (the concurrency-aware scheduler, the weight-swap extension) are
 opt-in by configuration. What it does unasked is patch vLLM 0.32 (see `patches/`, one
 module each): on CPU, sampled speculative decoding that was not lossless and cost too
-much, sampled drafting that cost more than it gained, engine starts that recompiled every time, aborted at random, or failed after numba
-was imported; everywhere, a draft pass that ran on steps drafting nothing (it now runs
+much, sampled drafting that cost more than it gained, engine starts that recompiled
+every time, aborted at random, or failed after numba was imported; everywhere, a draft pass that ran on steps drafting nothing (it now runs
 lazily, catching up when drafting resumes); and, when configured, drafts from a GRPO
 group's text join the engine's own (its one per-step hook, `take_draft_token_ids`). Set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM
 untouched.
