@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
 # vLLM's `draft_sample_method`: the draft proposes its argmax, or samples from its q.
 DraftSampling = Literal["greedy", "probabilistic"]
+
+
+def _yaml_off(value):
+    # YAML reads a bare `off` as false.
+    return "off" if value is False else value
+
+
+def with_off(choices):
+    """A Literal of `choices` (one of them "off") that also takes YAML's bare `off`."""
+    return Annotated[choices, BeforeValidator(_yaml_off)]
 
 
 class StrictModel(BaseModel):

@@ -163,6 +163,28 @@ class SpecCounters:
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
 
+    @classmethod
+    def combined(cls, metrics: list[dict]) -> dict:
+        """The `metrics()` of several calls (e.g. of several engines) as one call's."""
+        total = cls()
+        for m in metrics:
+            total.drafts += m["drafts"]
+            total.draft_tokens += m["draft_tokens"]
+            total.accepted_tokens += m["accepted_tokens"]
+            for length, n in m["draft_length_hist"].items():
+                total.draft_length_hist[int(length)] = (
+                    total.draft_length_hist.get(int(length), 0) + n
+                )
+            width = max(len(total.drafted_per_pos), len(m["drafted_per_pos"]))
+            for mine, theirs in (
+                (total.drafted_per_pos, m["drafted_per_pos"]),
+                (total.accepted_per_pos, m["accepted_per_pos"]),
+            ):
+                mine.extend([0] * (width - len(mine)))
+                for i, n in enumerate(theirs):
+                    mine[i] += n
+        return total.metrics()
+
     def observe_sequence(self, seq_metrics) -> None:
         if seq_metrics is not None:
             for drafted, accepted in zip(
@@ -283,7 +305,10 @@ class Engine:
         sampling: SamplingSettings,
         chat: bool = True,
         use_tqdm: bool = False,
+        seeds: list[int] | None = None,
     ) -> GenerationResult:
+        """`seeds`: one per prompt, instead of `sampling.seed` for all (a prompt's samples
+        then follow its own seed, whatever else the engine serves)."""
         from vllm import SamplingParams
 
         if not prompts:
@@ -304,14 +329,19 @@ class Engine:
                     f"prompt {i} has {len(p)} tokens, which leaves no room to generate within "
                     f"max_model_len={self.cfg.max_model_len}"
                 )
-        params = SamplingParams(
-            n=sampling.n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            seed=self._request_seed(sampling.seed),
-            ignore_eos=sampling.ignore_eos,
-        )
+        if seeds is not None and len(seeds) != len(ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(ids)} prompts")
+        params = [
+            SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                seed=self._request_seed(sampling.seed if seeds is None else seeds[i]),
+                ignore_eos=sampling.ignore_eos,
+            )
+            for i in range(len(ids))
+        ]
         start = time.perf_counter()
         raw = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=use_tqdm)
         wall = time.perf_counter() - start

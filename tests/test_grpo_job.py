@@ -88,16 +88,19 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         )
         # Every role computes on the driver's CPUs, not on the single core that processes
         # forked after OpenMP start-up (the embedded raylet, so every worker) are pinned to.
-        for actor in (job.rollout, job.policy, job.draft):
+        for actor in (*job.rollouts, *job.policies, job.draft):
             cpus = ray.get(actor.__ray_call__.remote(lambda _: os.sched_getaffinity(0)))
             assert cpus == os.sched_getaffinity(0)
-        versions = ray.get(job.rollout.versions.remote())
+        versions = ray.get(job.rollouts[0].versions.remote())
         assert versions["draft"] == 2  # a new head every iteration
         assert versions["policy"] == sum(r["policy_steps"] for r in records)
         # The engine serves exactly the learner's weights: greedy decoding agrees with HF.
-        greedy = ray.get(job.rollout.__ray_call__.remote(_engine_greedy, questions[:4], 20))
+        greedy = ray.get(job.rollouts[0].__ray_call__.remote(_engine_greedy, questions[:4], 20))
         for prompt_ids, engine_out in greedy:
-            assert ray.get(job.policy.__ray_call__.remote(_hf_greedy, prompt_ids, 20)) == engine_out
+            assert (
+                ray.get(job.policies[0].__ray_call__.remote(_hf_greedy, prompt_ids, 20))
+                == engine_out
+            )
 
         before = ray.get(job.draft.status.remote())
         ray.kill(job.draft, no_restart=False)
@@ -195,7 +198,7 @@ def test_resumed_engine_reports_the_checkpoint_weight_versions(
     cfg.iterations = 2
     job = run.Job(cfg, resume=str(out))
     try:
-        assert ray.get(job.rollout.versions.remote()) == saved
+        assert ray.get(job.rollouts[0].versions.remote()) == saved
         job.run()
     finally:
         job.shutdown()

@@ -1,21 +1,72 @@
-"""Ray actors: the plain role classes, unchanged, placed by Ray.
+"""Ray actors: the plain role classes, unchanged, placed by Ray in one placement group
+per role (N engines, N policy ranks, one draft learner).
 
-CPUs are not reserved (num_cpus=0): the roles take turns within an iteration, and a
-small machine must still fit all three. GPUs are requested per role from the config.
-The draft learner is restarted by Ray if its process dies; it reloads its last
-checkpoint in __init__.
+By default no CPUs are reserved: the roles take turns within an iteration, and a small
+machine must still fit them all. GPUs (and CPUs, if asked) are reserved per actor from
+the config; the strategy decides how each role's bundles spread over nodes. The draft
+learner is restarted by Ray if its process dies; it reloads its last checkpoint in
+__init__.
 """
 
 from __future__ import annotations
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from grpo_specdec.job.config import RaySettings
 from grpo_specdec.job.roles import DraftLearner, PolicyLearner, RolloutWorker
 
+ROLES = {"rollout": RolloutWorker, "policy": PolicyLearner, "draft": DraftLearner}
+# Ray refuses bundles of zero resources: a hundredth of a CPU makes an actor that
+# reserves nothing placeable without taking cores from the others.
+_PLACEABLE_CPUS = 0.01
 
-def remote_roles(cfg: RaySettings):
-    rollout = ray.remote(num_cpus=0, num_gpus=cfg.rollout_gpus)(RolloutWorker)
-    policy = ray.remote(num_cpus=0, num_gpus=cfg.policy_gpus)(PolicyLearner)
-    draft = ray.remote(num_cpus=0, num_gpus=cfg.draft_gpus, max_restarts=-1)(DraftLearner)
-    return rollout, policy, draft
+
+class Placement:
+    """The job's placement groups, created once and kept across restarts of its actors."""
+
+    def __init__(self, cfg: RaySettings, ready_timeout_s: float = 120.0):
+        self.cfg = cfg
+        self.groups = {}
+        for role in ROLES:
+            bundle = {"CPU": max(self._resources(role)["num_cpus"], _PLACEABLE_CPUS)}
+            if self._resources(role)["num_gpus"]:
+                bundle["GPU"] = self._resources(role)["num_gpus"]
+            group = placement_group([bundle] * self.count(role), strategy=cfg.placement)
+            self.groups[role] = group
+            if not group.wait(ready_timeout_s):
+                self.remove()
+                raise RuntimeError(
+                    f"Ray could not place {self.count(role)} {role} actor(s) of {bundle} "
+                    f"({cfg.placement}) within {ready_timeout_s:.0f} s: the cluster lacks the "
+                    f"resources set by ray.{role}_cpus / ray.{role}_gpus "
+                    f"(it has {ray.cluster_resources()})"
+                )
+
+    def count(self, role: str) -> int:
+        return {
+            "rollout": self.cfg.rollout_workers,
+            "policy": self.cfg.policy_workers,
+            "draft": 1,
+        }[role]
+
+    def _resources(self, role: str) -> dict:
+        return {
+            "num_cpus": getattr(self.cfg, f"{role}_cpus"),
+            "num_gpus": getattr(self.cfg, f"{role}_gpus"),
+        }
+
+    def actor(self, role: str, index: int | None = 0, **options):
+        """The role's class as a Ray actor, in bundle `index` of the role's group (None:
+        outside the groups, e.g. a short-lived extra engine)."""
+        if index is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.groups[role], placement_group_bundle_index=index
+            )
+        return ray.remote(ROLES[role]).options(**self._resources(role), **options)
+
+    def remove(self) -> None:
+        for group in self.groups.values():
+            remove_placement_group(group)
+        self.groups = {}

@@ -20,10 +20,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
 from grpo_specdec.draft.head import DraftHead, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
-from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, SpecCounters
 from grpo_specdec.grpo.core import grpo_loss
+from grpo_specdec.job import data_parallel
 from grpo_specdec.job.checkpoints import latest_checkpoint, load_learner_state
 from grpo_specdec.job.config import PolicySettings
+from grpo_specdec.job.precision import autocast_dtype
 
 # ---- rollout --------------------------------------------------------------------------
 
@@ -40,6 +42,39 @@ class Rollout:
     # rollout, and the history the drafter holds after it.
     sources: dict | None = None
 
+    @staticmethod
+    def gather(parts: list[Rollout]) -> Rollout:
+        """Several engines' rollouts of consecutive prompt groups, in order, as one: the
+        engines ran side by side, so the wall time is the slowest one's."""
+        sources = None
+        if parts[0].sources is not None:
+            sources = {k: sum(p.sources[k] for p in parts) for k in parts[0].sources}
+        k_steps: dict[int, int] = {}
+        for part in parts:
+            for k, n in part.k_steps.items():
+                k_steps[k] = k_steps.get(k, 0) + n
+        return Rollout(
+            [x for p in parts for x in p.prompt_ids],
+            [x for p in parts for x in p.responses],
+            [x for p in parts for x in p.texts],
+            SpecCounters.combined([p.spec for p in parts]),
+            max(p.wall_s for p in parts),
+            k_steps,
+            sources,
+        )
+
+    def summary(self) -> dict:
+        """This rollout's figures for the metrics (one engine's, in a multi-engine job)."""
+        tokens = sum(len(s) for group in self.responses for s in group)
+        return {
+            "prompts": len(self.prompt_ids),
+            "tokens": tokens,
+            "wall_s": self.wall_s,
+            "tokens_per_s": tokens / self.wall_s,
+            "mean_acceptance_length": self.spec["mean_acceptance_length"],
+            "k_steps": {str(k): n for k, n in sorted(self.k_steps.items())},
+        }
+
 
 class RolloutWorker:
     def __init__(self, engine_cfg: dict, weight_versions: dict[str, int]):
@@ -48,11 +83,13 @@ class RolloutWorker:
         self.engine = Engine(EngineConfig.model_validate(engine_cfg))
         self.engine.declare_weight_versions(weight_versions)
 
-    def rollout(self, prompts: list[str], sampling: dict) -> Rollout:
+    def rollout(
+        self, prompts: list[str], sampling: dict, seeds: list[int] | None = None
+    ) -> Rollout:
         scheduler = self._aware_scheduler()
         mark = scheduler.steps_scheduled if scheduler is not None else 0
         before = self.engine.group_draft_stats() if self.engine.cfg.speculative else None
-        res = self.engine.generate(prompts, SamplingSettings.model_validate(sampling))
+        res = self.engine.generate(prompts, SamplingSettings.model_validate(sampling), seeds=seeds)
         k_steps: dict[int, int] = {}
         for _, _, k, _ in scheduler.steps_since(mark) if scheduler is not None else []:
             k_steps[k] = k_steps.get(k, 0) + 1
@@ -117,9 +154,20 @@ class PolicyBatch:
 @dataclass
 class DraftData:
     seqs: list[Sequence]
-    embed: torch.Tensor  # the policy's input embedding and lm_head these hidden states came from
-    lm_head: torch.Tensor
+    # The policy's input embedding and lm_head these hidden states came from (rank 0 only).
+    embed: torch.Tensor | None
+    lm_head: torch.Tensor | None
     policy_version: int
+
+    @staticmethod
+    def gather(parts: tuple[DraftData, ...]) -> DraftData:
+        """The policy ranks' shards, in rank order, as one."""
+        return DraftData(
+            [s for part in parts for s in part.seqs],
+            parts[0].embed,
+            parts[0].lm_head,
+            parts[0].policy_version,
+        )
 
 
 def response_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -138,6 +186,10 @@ def _response_mask(ids_mask: torch.Tensor, prompt_lens: list[int]) -> torch.Tens
 
 
 class PolicyLearner:
+    """The policy and its optimiser. As rank `rank` of `world` (after `join`), it handles a
+    contiguous shard of each batch and sums gradients with the other ranks; rank 0's
+    weights are the ones published and checkpointed (every rank holds the same)."""
+
     def __init__(
         self,
         model_dir: str,
@@ -148,6 +200,7 @@ class PolicyLearner:
     ):
         torch.manual_seed(seed)
         self.model_dir, self.cfg, self.device = model_dir, cfg, torch.device(device)
+        self.autocast = autocast_dtype(cfg.autocast, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype)
         ).to(self.device)
@@ -163,9 +216,27 @@ class PolicyLearner:
                 .eval()
             )
         self.version = 0
+        self.rank, self.world = 0, 1
         self._batch: PolicyBatch | None = None
-        self._old_logp: list[torch.Tensor] = []
-        self._ref_logp: list[torch.Tensor] = []
+        self._shard: range = range(0)
+        self._old_logp: dict[int, torch.Tensor] = {}
+        self._ref_logp: dict[int, torch.Tensor] = {}
+
+    def rendezvous(self) -> str:
+        """Rank 0: an address on this node for the ranks to meet at."""
+        import ray
+
+        return data_parallel.rendezvous_address(ray.util.get_node_ip_address())
+
+    def join(self, address: str, rank: int, world: int, timeout_s: float = 120.0) -> None:
+        data_parallel.join(address, rank, world, self.device, timeout_s)
+        self.rank, self.world = rank, world
+
+    def _forward(self, model, ids: torch.Tensor, mask: torch.Tensor):
+        if self.autocast is None:
+            return forward_with_hidden(model, ids, mask)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return forward_with_hidden(model, ids, mask)
 
     def _micro_batches(self, indices: list[int]):
         for start in range(0, len(indices), self.cfg.micro_batch):
@@ -175,17 +246,19 @@ class PolicyLearner:
 
     @torch.no_grad()
     def prepare(self, batch: PolicyBatch) -> DraftData:
-        """The forward GRPO needs anyway: rollout-time log-probs for the surrogate, and the
-        last-layer hidden states of the same pass for the draft."""
+        """The forward GRPO needs anyway, over this rank's shard: rollout-time log-probs for
+        the surrogate, and the last-layer hidden states of the same pass for the draft."""
         self.model.eval()
         self._batch = batch
-        self._old_logp, self._ref_logp, seqs = [], [], []
-        for idx, ids, mask in self._micro_batches(list(range(len(batch.token_ids)))):
-            hidden, logits = forward_with_hidden(self.model, ids, mask)
-            self._old_logp += list(response_logprobs(logits, ids).cpu())
+        self._shard = data_parallel.shard(len(batch.token_ids), self.rank, self.world)
+        self._old_logp, self._ref_logp, seqs = {}, {}, []
+        for idx, ids, mask in self._micro_batches(list(self._shard)):
+            hidden, logits = self._forward(self.model, ids, mask)
+            self._old_logp |= dict(zip(idx, response_logprobs(logits, ids).cpu(), strict=True))
             if self.ref is not None:
-                self._ref_logp += list(
-                    response_logprobs(forward_with_hidden(self.ref, ids, mask)[1], ids).cpu()
+                ref_logits = self._forward(self.ref, ids, mask)[1]
+                self._ref_logp |= dict(
+                    zip(idx, response_logprobs(ref_logits, ids).cpu(), strict=True)
                 )
             for row, i in enumerate(idx):
                 n = len(batch.token_ids[i])
@@ -194,24 +267,28 @@ class PolicyLearner:
                         batch.token_ids[i], batch.prompt_lens[i], hidden[row, :n].float().cpu()
                     )
                 )
+        if self.rank != 0:  # the draft needs the policy's embedding and lm_head once
+            return DraftData(seqs, None, None, self.version)
         embed = self.model.get_input_embeddings().weight.detach().float().cpu()
         lm_head = self.model.get_output_embeddings().weight.detach().float().cpu()
         return DraftData(seqs, embed, lm_head, self.version)
 
     def update(self) -> dict:
-        """One GRPO step (per epoch) on the prepared rollout; groups without reward variance are skipped."""
+        """One GRPO step (per epoch) on the prepared rollout; groups without reward variance
+        are skipped. Every rank returns the same statistics (of the whole batch)."""
         batch = self._batch
         chosen = [i for i, keep in enumerate(batch.informative) if keep]
         stats = {"policy_sequences": len(chosen), "policy_steps": 0}
         if not chosen:
             return stats
+        mine = [i for i in chosen if i in self._shard]
         self.model.train()
         total_tokens = sum(len(batch.token_ids[i]) - batch.prompt_lens[i] for i in chosen)
         for _ in range(self.cfg.epochs):
             self.opt.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
-            for idx, ids, mask in self._micro_batches(chosen):
-                _, logits = forward_with_hidden(self.model, ids, mask)
+            for idx, ids, mask in self._micro_batches(mine):
+                _, logits = self._forward(self.model, ids, mask)
                 logp = response_logprobs(logits, ids)
                 old = _stack_padded([self._old_logp[i] for i in idx], logp.shape[1]).to(self.device)
                 ref = (
@@ -240,6 +317,10 @@ class PolicyLearner:
                 (loss * share).backward()
                 for k, v in mb.items():
                     sums[k] = sums.get(k, 0.0) + v * share
+            if self.world > 1:
+                data_parallel.all_reduce_grads(list(self.model.parameters()))
+                keys = ["loss", "clip_frac"] + (["kl"] if self.ref is not None else [])
+                sums = data_parallel.all_reduce_sums(sums, keys, self.device)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             if not torch.isfinite(norm):
                 raise FloatingPointError(
@@ -281,7 +362,10 @@ class PolicyLearner:
         torch.set_rng_state(state["rng"])
 
     def status(self) -> dict:
-        return {"version": self.version}
+        return {"version": self.version, "rank": self.rank, "world": self.world}
+
+    def shutdown(self) -> None:
+        data_parallel.leave()
 
 
 def _stack_padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -326,12 +410,15 @@ class DraftLearner:
             self.resumed_from = str(latest)
         self._last_good = copy.deepcopy(self.trainer.state_dict())
 
-    def train(self, data: DraftData) -> dict:
-        # The draft must predict with the embedding and lm_head the engine will pair it with.
+    def train(self, *shards: DraftData) -> dict:
+        """Train on one rollout: the hidden states of every policy rank's shard."""
         start = time.perf_counter()
+        data = DraftData.gather(shards)
+        # The draft must predict with the embedding and lm_head the engine will pair it with.
         self.head.embed_weight = data.embed.to(self.device)
         self.head.lm_head_weight = data.lm_head.to(self.device)
         stats = self.trainer.train(data.seqs, self.rng)
+        stats["sequences"] = len(data.seqs)
         stats["rolled_back"] = not all(torch.isfinite(p).all() for p in self.head.parameters())
         if stats["rolled_back"]:
             # Diverged despite the per-step guard: return to the last good state.

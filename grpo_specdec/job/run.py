@@ -20,10 +20,11 @@ import torch
 from tqdm import tqdm
 
 from grpo_specdec.grpo.core import group_advantages
-from grpo_specdec.job.actors import remote_roles
+from grpo_specdec.job.actors import Placement
 from grpo_specdec.job.checkpoints import LATEST, check_checkpoint, latest_checkpoint, read_state
 from grpo_specdec.job.config import TrainConfig
-from grpo_specdec.job.roles import PolicyBatch
+from grpo_specdec.job.data_parallel import shard
+from grpo_specdec.job.roles import PolicyBatch, Rollout
 from grpo_specdec.modelcheck import resolve_max_model_len
 from grpo_specdec.runtime import runtime_env, worker_cpus_env
 from grpo_specdec.tasks.datasets import ArithmeticSource, JsonlSource
@@ -93,7 +94,8 @@ class Job:
             next(iter(read_manifest(self.base_policy).values()))[1]
         ).removeprefix("torch.")
         self._init_ray()
-        self.rollout = self.policy = self.draft = None
+        self.placement = Placement(cfg.ray)
+        self.rollouts, self.policies, self.draft = [], [], None
         self._start(ckpt)
 
     def _check_context_length(self) -> None:
@@ -124,10 +126,10 @@ class Job:
         else:
             self.iteration, self.cursor = 0, 0
             random.seed(cfg.seed)
-        Rollout, Policy, Draft = remote_roles(cfg.ray)
+        place = self.placement
         # A learner when the draft trains online, or to create a new head for the engine.
         if cfg.rollout.speculation != "off" and (cfg.draft.online or not draft_dir):
-            self.draft = Draft.remote(
+            self.draft = place.actor("draft", max_restarts=-1).remote(
                 self.base_policy,
                 draft_dir,
                 cfg.draft.train,
@@ -141,38 +143,63 @@ class Job:
                 ray.get(self.draft.save.remote(staging))
                 shutil.move(str(staging / "draft"), draft_dir)
                 shutil.rmtree(staging)
-        self.policy = Policy.remote(
-            self.base_policy, cfg.policy, cfg.model.device, cfg.model.train_dtype, cfg.seed
-        )
+        self.policies = [
+            place.actor("policy", rank).remote(
+                self.base_policy, cfg.policy, cfg.model.device, cfg.model.train_dtype, cfg.seed
+            )
+            for rank in range(cfg.ray.policy_workers)
+        ]
+        if len(self.policies) > 1:
+            address = ray.get(self.policies[0].rendezvous.remote())
+            world = len(self.policies)
+            ray.get([p.join.remote(address, rank, world) for rank, p in enumerate(self.policies)])
         if ckpt is not None:
-            ray.get(self.policy.load.remote(ckpt))
+            ray.get([p.load.remote(ckpt) for p in self.policies])
         self._ensure_profile(draft_dir)
         self._engine_cfg = self._engine_config(policy_dir, draft_dir)
-        # The engine starts from the weights the learners hold now: it reports their versions.
-        learners = {"policy": self.policy, "draft": self.draft}
+        # The engines start from the weights the learners hold now: they report their versions.
+        learners = {"policy": self.policies[0], "draft": self.draft}
         learners = {role: a for role, a in learners.items() if a is not None}
         status = ray.get([a.status.remote() for a in learners.values()])
         versions = {role: s["version"] for role, s in zip(learners, status, strict=True)}
-        self.rollout = Rollout.remote(self._engine_cfg, versions)
+        self.rollouts = [
+            place.actor("rollout", i).remote(self._engine_cfg, versions)
+            for i in range(cfg.ray.rollout_workers)
+        ]
         # Start-up (model loads, engine compile) must not count in the first iteration's times.
-        ray.get(
-            [
-                a.__ray_ready__.remote()
-                for a in (self.rollout, self.policy, self.draft)
-                if a is not None
-            ]
-        )
+        ray.get([a.__ray_ready__.remote() for a in self._actors()])
+        self._served = self._weights_served(versions)
         _truncate_metrics(self.metrics_path, self.iteration)
+
+    def _actors(self) -> list:
+        return [*self.rollouts, *self.policies, *([self.draft] if self.draft else [])]
+
+    def _weights_served(self, versions: dict[str, int]) -> dict:
+        """role -> (weights in the object store, version, metadata) the engines serve.
+        Kept with several engines only: a swap that fails in one puts these back into the
+        others, so that no engine serves a version the rest do not."""
+        if len(self.rollouts) == 1:
+            return {}
+        served = {
+            "policy": (
+                self.policies[0].export_weights.remote(self.weight_dtype),
+                versions["policy"],
+                None,
+            )
+        }
+        if self.draft is not None:
+            weights, meta, _, _ = ray.get(self.draft.export.remote())
+            served["draft"] = (ray.put(weights), versions["draft"], meta)
+        return served
 
     def _restart(self, reason: str) -> None:
         """An actor died: rebuild every role from the newest checkpoint (or the start) and
         redo the iterations since; their metrics records are dropped first."""
         ckpt = latest_checkpoint(self.ckpts)
         self.log(f"{reason}; restarting all roles from {ckpt or 'the initial models'}")
-        for actor in (self.rollout, self.policy, self.draft):
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        self.rollout = self.policy = self.draft = None
+        for actor in self._actors():
+            ray.kill(actor, no_restart=True)
+        self.rollouts, self.policies, self.draft = [], [], None
         self._start(ckpt)
 
     def _ensure_profile(self, draft_dir: str | None) -> None:
@@ -267,8 +294,9 @@ class Job:
         }
 
     # ---- one iteration ---------------------------------------------------------------------
-    def _next_batch(self) -> tuple[list, dict]:
-        """The next iteration's examples and the sampling settings of its rollout."""
+    def _next_batch(self) -> tuple[list, dict, list[int] | None]:
+        """The next iteration's examples, the sampling settings of its rollout, and with
+        rollout.seeded each prompt's seed (from the job seed and the example's index)."""
         r = self.cfg.rollout
         examples = [self.source.get(self.cursor + i) for i in range(r.prompts_per_iteration)]
         sampling = {
@@ -277,12 +305,33 @@ class Job:
             "top_p": r.top_p,
             "max_tokens": r.max_tokens,
         }
-        return examples, sampling
+        seeds = None
+        if r.seeded:  # vLLM seeds a prompt's samples seed, seed + 1, ...: keep them apart
+            seeds = [
+                (self.cfg.seed << 32) + (self.cursor + i) * r.group_size
+                for i in range(len(examples))
+            ]
+        return examples, sampling, seeds
+
+    def _roll_out(
+        self, prompts: list[str], sampling: dict, seeds: list[int] | None
+    ) -> list[Rollout]:
+        """Consecutive prompt groups to each engine, side by side; their rollouts in order."""
+        parts = [shard(len(prompts), i, len(self.rollouts)) for i in range(len(self.rollouts))]
+        return _get_all(
+            [
+                engine.rollout.remote(
+                    [prompts[i] for i in part], sampling, seeds and [seeds[i] for i in part]
+                )
+                for engine, part in zip(self.rollouts, parts, strict=True)
+            ]
+        )
 
     def step(self) -> dict:
         t_start = time.perf_counter()
-        examples, sampling = self._next_batch()
-        rollout = ray.get(self.rollout.rollout.remote([e.question for e in examples], sampling))
+        examples, sampling, seeds = self._next_batch()
+        per_engine = self._roll_out([e.question for e in examples], sampling, seeds)
+        rollout = Rollout.gather(per_engine)
         t_gen = time.perf_counter()
 
         rewards = torch.tensor(
@@ -306,16 +355,16 @@ class Job:
                 batch.advantages.append(float(adv[g, s]))
                 batch.informative.append(bool(informative[g]))
 
-        data = self.policy.prepare.remote(batch)
-        update = self.policy.update.remote()
+        shards = [p.prepare.remote(batch) for p in self.policies]
+        updates = [p.update.remote() for p in self.policies]
         draft_job = (
-            self.draft.train.remote(data)
+            self.draft.train.remote(*shards)
             if self.draft is not None and self.cfg.draft.online
             else None
         )
-        policy_stats = ray.get(update)
+        policy_stats = _get_all(updates)[0]  # every rank returns the whole batch's
         t_policy = time.perf_counter()
-        draft_stats = self._finish_draft(draft_job, data)
+        draft_stats = self._finish_draft(draft_job, shards)
         t_draft = time.perf_counter()
 
         sync = {}
@@ -324,14 +373,12 @@ class Job:
         if draft_stats.get("draft_steps"):
             weights, meta, dversion, trained_on = ray.get(self.draft.export.remote())
             try:
-                sync["draft"] = ray.get(
-                    self.rollout.load_weights.remote("draft", weights, dversion, meta)
-                )
+                sync["draft"] = self._swap("draft", ray.put(weights), dversion, meta)
                 draft_stats["draft_trained_on_policy"] = trained_on
             except ray.exceptions.RayTaskError as err:
                 if isinstance(err.cause, MixedWeightsError):
                     raise  # the engine refuses to generate until a draft loads whole
-                # The engine rejected or undid the swap and still serves its previous
+                # The engines rejected or undid the swap and still serve their previous
                 # draft; rollouts stay correct (speculation is lossless), only slower.
                 draft_stats["draft_swap_error"] = str(err.cause if err.cause else err).splitlines()[
                     0
@@ -342,7 +389,7 @@ class Job:
                 )
         t_end = time.perf_counter()
 
-        versions = ray.get(self.rollout.versions.remote())
+        versions = self._engine_versions()
         self.cursor += len(examples)
         self.iteration += 1
         n_tokens = sum(len(x) for g in rollout.responses for x in g)
@@ -370,20 +417,55 @@ class Job:
             **policy_stats,
             **draft_stats,
         }
+        if len(per_engine) > 1:
+            record["engines"] = [part.summary() for part in per_engine]
         if "draft_trained_on_policy" in record:
             record["draft_policy_lag"] = versions["policy"] - record["draft_trained_on_policy"]
         record["policy_sync_s"] = sync.get("policy", {}).get("total_s", 0.0)
         record["draft_sync_s"] = sync.get("draft", {}).get("total_s", 0.0)
         return record
 
+    def _engine_versions(self) -> dict[str, int]:
+        """The weight versions every engine serves; they must agree."""
+        versions = ray.get([engine.versions.remote() for engine in self.rollouts])
+        if any(v != versions[0] for v in versions):
+            raise RuntimeError(f"the engines serve different weight versions: {versions}")
+        return versions[0]
+
+    def _swap(self, role: str, weights, version: int, metadata: dict | None = None) -> dict:
+        """Load `role` weights (one object in Ray's object store) into every engine, all or
+        none: when one engine fails, the others get the weights they served back and the
+        failure is raised. Engines load side by side; the slowest one's time is reported."""
+        loads = [e.load_weights.remote(role, weights, version, metadata) for e in self.rollouts]
+        outcomes = []
+        for load in loads:
+            try:
+                outcomes.append(ray.get(load))
+            except ray.exceptions.RayTaskError as err:
+                outcomes.append(err)
+        failures = [o for o in outcomes if isinstance(o, Exception)]
+        if failures:
+            loaded = [
+                e
+                for e, o in zip(self.rollouts, outcomes, strict=True)
+                if not isinstance(o, Exception)
+            ]
+            if loaded:
+                ray.get([e.load_weights.remote(role, *self._served[role]) for e in loaded])
+            raise failures[0]
+        if self._served:
+            self._served[role] = (weights, version, metadata)
+        return {"total_s": max(o["total_s"] for o in outcomes)}
+
     def _sync_policy(self, version: int) -> dict:
-        """Policy weights must reach the engine, or rollouts would come from a stale
-        policy: a failed sync stops the job with the reason, which says what the engine
-        holds now (the previous weights, or, if restoring them failed too, a mix it
-        refuses to generate from); the last checkpoint is intact."""
-        weights = self.policy.export_weights.remote(self.weight_dtype)
+        """Policy weights must reach the engines, or rollouts would come from a stale
+        policy: a failed sync stops the job with the reason, which says what the engines
+        hold now (the previous weights, or, if restoring them failed too, a mix they
+        refuse to generate from); the last checkpoint is intact."""
         try:
-            return ray.get(self.rollout.load_weights.remote("policy", weights, version))
+            return self._swap(
+                "policy", self.policies[0].export_weights.remote(self.weight_dtype), version
+            )
         except ray.exceptions.RayTaskError as err:
             cause = str(err.cause if err.cause else err).splitlines()[0]
             raise RuntimeError(
@@ -391,7 +473,7 @@ class Job:
                 f"Stopping; resume from {self.ckpts} once the cause is fixed."
             ) from err
 
-    def _finish_draft(self, job, data, restart_timeout_s: float = 300.0) -> dict:
+    def _finish_draft(self, job, shards: list, restart_timeout_s: float = 300.0) -> dict:
         if job is None:
             return {}
         deadline = time.monotonic() + restart_timeout_s
@@ -406,7 +488,7 @@ class Job:
                     "Ray restarts it from its last checkpoint; training it on this rollout again"
                 )
                 time.sleep(1.0)
-                job = self.draft.train.remote(data)
+                job = self.draft.train.remote(*shards)
 
     # ---- checkpoints -------------------------------------------------------------------
     def checkpoint(self) -> Path:
@@ -416,7 +498,7 @@ class Job:
         tmp = self.ckpts / f".tmp_{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        jobs = [self.policy.save.remote(tmp)]
+        jobs = [self.policies[0].save.remote(tmp)]  # every rank holds the same
         if self.draft is not None:
             jobs.append(self.draft.save.remote(tmp))
         ray.get(jobs)
@@ -474,6 +556,9 @@ class Job:
                     tb.add_scalar(key, value, self.iteration)
             for i, p in enumerate(record["per_position_acceptance"]):
                 tb.add_scalar(f"per_position_acceptance/{i}", p, self.iteration)
+            for i, engine in enumerate(record.get("engines", [])):
+                for key in ("tokens_per_s", "mean_acceptance_length", "wall_s"):
+                    tb.add_scalar(f"engine{i}/{key}", engine[key], self.iteration)
             ks = [int(k) for k, n in record["k_steps"].items() for _ in range(n)]
             if ks:
                 tb.add_histogram("k_chosen", torch.tensor(ks), self.iteration)
@@ -494,41 +579,32 @@ class Job:
 
     def compare_rollout(self) -> dict[str, dict]:
         """The next batch of prompts rolled out twice, one engine after the other: by the
-        job's engine (its speculation, final weights) and by an engine without
+        job's (first) engine (its speculation, final weights) and by an engine without
         speculation serving the last checkpoint's policy (the same weights)."""
         ckpt = latest_checkpoint(self.ckpts)
         if ckpt is None or read_state(ckpt)["iteration"] != self.iteration:
             ckpt = self.checkpoint()
-        examples, sampling = self._next_batch()
+        examples, sampling, seeds = self._next_batch()
         prompts = [e.question for e in examples]
-        Rollout, _, _ = remote_roles(self.cfg.ray)
         plain_cfg = {**self._engine_cfg, "model": str(ckpt / "policy"), "speculative": None}
-        plain = Rollout.remote(plain_cfg, {})
+        plain = self.placement.actor("rollout", None).remote(plain_cfg, {})
         ray.get(plain.__ray_ready__.remote())  # start-up is not part of the comparison
         try:
             runs = {
-                "no speculation": ray.get(plain.rollout.remote(prompts, sampling)),
+                "no speculation": ray.get(plain.rollout.remote(prompts, sampling, seeds)),
                 f"speculation: {self.cfg.rollout.speculation}": ray.get(
-                    self.rollout.rollout.remote(prompts, sampling)
+                    self.rollouts[0].rollout.remote(prompts, sampling, seeds)
                 ),
             }
         finally:
             ray.get(plain.shutdown.remote())
             ray.kill(plain)
-        out = {}
-        for name, run in runs.items():
-            tokens = sum(len(s) for group in run.responses for s in group)
-            out[name] = {
-                "tokens": tokens,
-                "wall_s": run.wall_s,
-                "tokens_per_s": tokens / run.wall_s,
-                "mean_acceptance_length": run.spec["mean_acceptance_length"],
-                "k_steps": run.k_steps,
-            }
-        return out
+        return {name: run.summary() for name, run in runs.items()}
 
     def shutdown(self) -> None:
-        ray.get(self.rollout.shutdown.remote())
+        ray.get([engine.shutdown.remote() for engine in self.rollouts])
+        ray.get([rank.shutdown.remote() for rank in self.policies])
+        self.placement.remove()
         ray.shutdown()
 
 
@@ -571,6 +647,16 @@ def summary_table(records: list[dict]) -> str:
         f"| {name} | {mean(first, k):{fmt}} | {mean(last, k):{fmt}} |" for name, k, fmt in rows
     ]
     return "\n".join(lines)
+
+
+def _get_all(refs: list) -> list:
+    """ray.get of every ref, raising as soon as one fails: a rank whose peer died would
+    otherwise hold the caller in a collective until the group's timeout."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return ray.get(list(refs))
 
 
 def _truncate_metrics(path: Path, iteration: int) -> None:

@@ -1,5 +1,7 @@
 """Faults during a GRPO job: dead actors, failed swaps, a diverging draft, a SIGKILL in
-the middle of a checkpoint write. The job must recover or stop clearly, losing nothing."""
+the middle of a checkpoint write. The job must recover or stop clearly, losing nothing.
+The scaled-out job (two engines, two policy ranks) takes the faults one member at a time:
+the others must follow it, and every engine must serve the same weight versions."""
 
 from __future__ import annotations
 
@@ -45,13 +47,13 @@ def _break_next_swap(role):
 
 
 def _kill_rollout_before(job, iteration):
-    """The rollout worker dies as `iteration` starts."""
+    """The second engine dies as `iteration` starts."""
     step = job.step
 
     def kill_then_step():
         if job.iteration + 1 == iteration:
             job.step = step
-            ray.kill(job.rollout, no_restart=True)
+            ray.kill(job.rollouts[1], no_restart=True)
         return step()
 
     job.step = kill_then_step
@@ -69,19 +71,29 @@ def _break_draft_loads(worker):
     worker.engine.llm.collective_rpc(failing_load)
 
 
+def _served(job) -> list[dict]:
+    return ray.get([engine.versions.remote() for engine in job.rollouts])
+
+
 def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job_profile, tmp_path):
     from grpo_specdec.job.run import Job
 
     out = tmp_path / "run"
     cfg = load_yaml(
-        TrainConfig, CONFIG, job_overrides(tiny_target, tiny_draft, job_profile, out, 1)
+        TrainConfig,
+        CONFIG,
+        [
+            *job_overrides(tiny_target, tiny_draft, job_profile, out, 1),
+            "ray.rollout_workers=2",
+            "ray.policy_workers=2",
+        ],
     )
     log: list[str] = []
     job = Job(cfg, log=log.append)
     try:
         job.run()  # iteration 1, checkpoint 1
 
-        # The rollout worker dies in iteration 3, after an iteration without a checkpoint:
+        # One engine of two dies in iteration 3, after an iteration without a checkpoint:
         # every role restarts from checkpoint 1 and iterations 2 and 3 run again; each is
         # returned (and recorded) once.
         job.cfg.checkpoint_every, job.cfg.iterations = 10, 3
@@ -89,40 +101,48 @@ def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job
         assert [r["iteration"] for r in job.run()] == [2, 3]
         assert any("an actor died" in line and "iter_000001" in line for line in log)
 
-        # A dead policy learner: the same, from checkpoint 3 (a run's last iteration checkpoints).
-        ray.kill(job.policy, no_restart=True)
+        # One policy rank of two dies: the same, from checkpoint 3 (a run's last iteration
+        # checkpoints); the surviving rank, waiting in a collective, is not waited for.
+        ray.kill(job.policies[1], no_restart=True)
         job.cfg.iterations = 4
         job.run()
         assert any("an actor died" in line and "iter_000003" in line for line in log)
+        learner = ray.get(job.policies[0].status.remote())
+        assert _served(job) == [_served(job)[0]] * 2
+        assert _served(job)[0]["policy"] == learner["version"] and learner["world"] == 2
 
-        # The draft learner diverges: its update is rolled back, the engine keeps its draft.
-        served = ray.get(job.rollout.versions.remote())["draft"]
+        # The draft learner diverges: its update is rolled back, the engines keep their draft.
+        served = _served(job)[0]["draft"]
         ray.get(job.draft.__ray_call__.remote(_poison_head))
         job.cfg.iterations = 5
         job.run()
         rec = job_records(out)[-1]
         assert rec["draft_rolled_back"] and rec["draft_steps"] == 0
-        assert ray.get(job.rollout.versions.remote())["draft"] == served
+        assert [v["draft"] for v in _served(job)] == [served, served]
 
-        # A draft swap that fails inside the worker: reported, the old draft keeps serving.
-        ray.get(job.rollout.__ray_call__.remote(_break_next_swap("draft")))
+        # A draft swap that fails inside one engine: reported, and the other engine, which
+        # had loaded it, gets the previous draft back (both serve the same version).
+        ray.get(job.rollouts[1].__ray_call__.remote(_break_next_swap("draft")))
         job.cfg.iterations = 6
         job.run()
         rec = job_records(out)[-1]
         assert "injected draft swap failure" in rec["draft_swap_error"]
-        assert ray.get(job.rollout.versions.remote())["draft"] == served
+        assert [v["draft"] for v in _served(job)] == [served, served]
 
-        # A failed policy sync stops the job with a clear error.
-        ray.get(job.rollout.__ray_call__.remote(_break_next_swap("policy")))
+        # A failed policy sync in one engine stops the job with a clear error; neither
+        # engine is left on the new version.
+        policy_before = _served(job)[0]["policy"]
+        ray.get(job.rollouts[1].__ray_call__.remote(_break_next_swap("policy")))
         job.cfg.iterations = 9
         with pytest.raises(
             RuntimeError, match="policy weight sync .* failed: .*injected policy swap failure"
         ):
             job.run()
+        assert [v["policy"] for v in _served(job)] == [policy_before] * 2
 
         # A draft swap whose restore fails too stops the job naming both failures; the
         # engine, whose draft may be a mix, refuses to generate.
-        ray.get(job.rollout.__ray_call__.remote(_break_draft_loads))
+        ray.get(job.rollouts[1].__ray_call__.remote(_break_draft_loads))
         with pytest.raises(
             MixedWeightsError,
             match=r"loading draft version \d+ failed \(RuntimeError: injected draft load failure\), "
