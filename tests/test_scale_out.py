@@ -67,7 +67,12 @@ def test_two_engines_and_two_ranks_match_one_of_each(
         assert [e["prompts"] for e in b["engines"]] == [2, 2]
     assert one_weights.keys() == two_weights.keys()
     for name, w in one_weights.items():
-        torch.testing.assert_close(two_weights[name], w, rtol=0, atol=WEIGHT_ATOL, )
+        torch.testing.assert_close(
+            two_weights[name],
+            w,
+            rtol=0,
+            atol=WEIGHT_ATOL,
+        )
     assert served == [served[0]] * 2
     assert served[0]["policy"] == sum(r["policy_steps"] for r in two)
 
