@@ -32,6 +32,11 @@ def runtime_env(env: dict[str, str]) -> dict[str, str]:
     out.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     # Ray would otherwise log every actor's stdout twice and warn about the dashboard.
     out.setdefault("RAY_DEDUP_LOGS", "1")
+    # Ray 2.60: a cluster started with `ray start --head` checks the token it saved in
+    # ~/.ray/auth_token, but a client joining it by address sends it only in token mode
+    # (which is also what a new local cluster defaults to).
+    if (Path.home() / ".ray" / "auth_token").is_file():
+        out.setdefault("RAY_AUTH_MODE", "token")
     return out
 
 

@@ -38,7 +38,7 @@ def commands() -> list[str]:
         ["grpo-specdec", "train"],
         ["ray", "start"],
         ["grpo-specdec", "train"],
-        ["ray", "job"],
+        ["RAY_AUTH_MODE=token", "ray"],
     ]
     return block
 
@@ -59,10 +59,11 @@ def ray_head(commands):
         # jobs submitted to it find grpo-specdec where the README's shell would
         env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"},
     )
+    token = {**os.environ, "RAY_AUTH_MODE": "token"}  # as the README's `ray job` commands
     dashboard_url = f"http://127.0.0.1:{dashboard}"
     deadline = time.time() + 120
     while subprocess.run(
-        [BIN / "ray", "job", "list", "--address", dashboard_url], capture_output=True
+        [BIN / "ray", "job", "list", "--address", dashboard_url], capture_output=True, env=token
     ).returncode:
         assert head.poll() is None, "ray start --head exited"
         assert time.time() < deadline, "the Ray head's job API did not come up"
