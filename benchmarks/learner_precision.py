@@ -62,10 +62,11 @@ def main() -> None:
             stats = learner.update()
             times[setting].append(time.perf_counter() - start)
             if setting not in first:  # the first step's loss and gradient, same weights
-                grad = torch.cat([q.grad.flatten() for q in learner.model.parameters()])
+                grad = torch.cat([q.grad.flatten() for q in learner.model.parameters()]).double()
                 first[setting] = (stats["policy_loss"], grad)
     fp32, bf16 = (statistics.median(times[s]) for s in SETTINGS)
-    cosine = torch.nn.functional.cosine_similarity(first["off"][1], first["bfloat16"][1], dim=0)
+    g32, g16 = first["off"][1], first["bfloat16"][1]
+    cosine = float(g32 @ g16 / (g32.norm() * g16.norm()))
     body = "\n".join(
         [
             f"SmolLM2-135M, {args.sequences} sequences x ({64} prompt + {args.tokens} response) "
@@ -77,8 +78,10 @@ def main() -> None:
             f"| fp32 | {fp32:.1f} | 1.00x |",
             f"| bf16 autocast (fp32 weights and AdamW) | {bf16:.1f} | {fp32 / bf16:.2f}x |",
             "",
-            f"First step, same weights: loss fp32 {first['off'][0]:.5f}, bf16 autocast "
-            f"{first['bfloat16'][0]:.5f}; gradient cosine {float(cosine):.4f}.",
+            f"First step, same weights and batch: gradient cosine {cosine:.4f}, gradient norm "
+            f"bf16 / fp32 {float(g16.norm() / g32.norm()):.4f}; loss fp32 {first['off'][0]:.5f}, "
+            f"bf16 autocast {first['bfloat16'][0]:.5f} (the importance ratio is 1 in a first "
+            "step, so both are minus the mean advantage up to rounding).",
         ]
     )
     print(body)

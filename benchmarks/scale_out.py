@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -30,17 +31,26 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 KEYS = ("iteration_s", "generation_s", "policy_update_s", "draft_wait_s", "sync_s")
 
 
-def _time_swaps(job, swaps: int) -> dict[str, list[float]]:
+def _cpu_seconds(engines) -> list[float]:
+    import ray
+
+    return ray.get([e.__ray_call__.remote(lambda _: time.process_time()) for e in engines])
+
+
+def _time_swaps(job, swaps: int) -> dict[str, dict[str, list[float]]]:
+    """Wall seconds per swap, and the CPU seconds the engines' processes spent on it."""
     import ray
 
     weights = job.policies[0].export_weights.remote(job.weight_dtype)
     version = ray.get(job.rollouts[0].versions.remote())["policy"]
-    times: dict[str, list[float]] = {"one engine": [], "two engines": []}
+    times = {name: {"wall_s": [], "cpu_s": []} for name in ("one engine", "two engines")}
     for _ in range(swaps):
         for name, engines in (("one engine", job.rollouts[:1]), ("two engines", job.rollouts)):
+            cpu = _cpu_seconds(engines)
             start = time.perf_counter()
             ray.get([e.load_weights.remote("policy", weights, version) for e in engines])
-            times[name].append(time.perf_counter() - start)
+            times[name]["wall_s"].append(time.perf_counter() - start)
+            times[name]["cpu_s"].append(sum(_cpu_seconds(engines)) - sum(cpu))
     return times
 
 
@@ -82,10 +92,12 @@ def run_layout(engines: int, ranks: int, iterations: int, swaps: int) -> dict:
 
 def report(results: list[dict], iterations: int) -> str:
     base = results[0]["iteration_s"]
+    r = load_yaml(TrainConfig, CONFIG).rollout
     lines = [
-        f"SmolLM2-135M, configs/smollm2_arith.yaml (4 prompts x 8 samples, 128 tokens), "
-        f"{iterations} iterations per layout, means over iterations 2..{iterations}; "
-        "2 CPU cores, every actor on them.",
+        f"SmolLM2-135M, configs/smollm2_arith.yaml ({r.prompts_per_iteration} prompts x "
+        f"{r.group_size} samples, up to {r.max_tokens} tokens), {iterations} iterations per "
+        f"layout, means over iterations 2..{iterations}; {os.cpu_count()} CPU cores shared by "
+        "every actor.",
         "",
         "| engines | policy ranks | iteration s | vs 1+1 | generation s | policy update s "
         "| draft wait s | sync s | policy sync s | rollout tokens/s |",
@@ -100,19 +112,21 @@ def report(results: list[dict], iterations: int) -> str:
         )
     lines += [
         "",
-        "Policy weight sync (the same weights, one object in Ray's object store), median of "
-        "the interleaved swaps in each two-engine job:",
+        "Policy weight sync (the same weights, one object in Ray's object store), medians of "
+        "the interleaved swaps in each two-engine job; CPU s is what the engines' processes "
+        "spent on one swap, all engines together:",
         "",
-        "| job | swaps | into one engine s | into two engines s | two / one |",
-        "|---|---|---|---|---|",
+        "| job | swaps | into one engine s | CPU s | into two engines s | CPU s | two / one |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        if r["swap_times"]:
-            one = statistics.median(r["swap_times"]["one engine"])
-            two = statistics.median(r["swap_times"]["two engines"])
+        t = r["swap_times"]
+        if t:
+            one, two = (statistics.median(t[n]["wall_s"]) for n in ("one engine", "two engines"))
+            cpu1, cpu2 = (statistics.median(t[n]["cpu_s"]) for n in ("one engine", "two engines"))
             lines.append(
-                f"| {r['engines']} engines + {r['ranks']} ranks | {len(r['swap_times']['one engine'])} "
-                f"| {one:.3f} | {two:.3f} | {two / one:.2f}x |"
+                f"| {r['engines']} engines + {r['ranks']} ranks | {len(t['one engine']['wall_s'])} "
+                f"| {one:.3f} | {cpu1:.2f} | {two:.3f} | {cpu2:.2f} | {two / one:.2f}x |"
             )
     return "\n".join(lines)
 

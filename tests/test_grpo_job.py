@@ -124,6 +124,8 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
         CONFIG,
         *job_overrides(tiny_target, tiny_draft, job_profile, out, 4),
         "rollout.draft_sampling=probabilistic",  # sampled drafts, through a resume
+        "ray.rollout_workers=2",  # and a scaled-out job
+        "ray.policy_workers=2",
     ]
     log = open(tmp_path / "first.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(

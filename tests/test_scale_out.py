@@ -111,3 +111,42 @@ def test_engines_serve_the_learners_versions_after_every_sync(
     sequences = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
     assert all(r["draft_sequences"] == sequences for r in records)
     assert sum(r["draft_steps"] for r in records) > 0
+
+
+def test_layouts_the_job_cannot_run_are_refused_by_name(tiny_target):
+    from grpo_specdec.config import ConfigError
+
+    cases = {
+        "ray.rollout_workers=5": "ray.rollout_workers=5 exceeds rollout.prompts_per_iteration=4",
+        "ray.placement=EVERYWHERE": "ray.placement: Input should be 'PACK'",
+        "ray.policy_workers=0": "ray.policy_workers: Input should be greater than or equal to 1",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_yaml(TrainConfig, CONFIG, [f"model.policy={tiny_target}", override])
+    with pytest.raises(ConfigError, match="NCCL needs one whole GPU per rank"):
+        load_yaml(
+            TrainConfig,
+            CONFIG,
+            ["model.device=cuda", "ray.policy_workers=2", "ray.policy_gpus=0.5"],
+        )
+
+
+def test_a_cluster_without_room_for_a_role_is_reported_by_name():
+    from ray.util import placement_group_table
+
+    from grpo_specdec.job.actors import Placement
+    from grpo_specdec.job.config import RaySettings
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        with pytest.raises(RuntimeError, match=r"2 rollout actor\(s\).*ray\.rollout_gpus"):
+            Placement(RaySettings(rollout_workers=2, rollout_gpus=1), ready_timeout_s=2)
+        # nothing is left reserved
+        assert {g["state"] for g in placement_group_table().values()} == {"REMOVED"}
+        placed = Placement(RaySettings(rollout_workers=2, policy_workers=2, policy_cpus=0.5))
+        live = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+        assert sorted(len(g["bundles"]) for g in live) == [1, 2, 2]  # draft, engines, ranks
+        placed.remove()
+    finally:
+        ray.shutdown()

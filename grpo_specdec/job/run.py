@@ -1,9 +1,10 @@
 """`grpo-specdec train`: GRPO with speculative rollouts and an online-learned draft, on Ray.
 
-Per iteration: rollout (vLLM, concurrency-aware speculation) -> rule rewards and group
-advantages -> the policy learner's forward (log-probs + hidden states) -> policy update
-and draft training side by side -> new policy and draft weights hot-swapped into the
-running engine -> metrics; a checkpoint every N iterations and at the end.
+Per iteration: rollout (vLLM engines, concurrency-aware speculation, prompt groups split
+across them) -> rule rewards and group advantages -> the policy ranks' forward (log-probs +
+hidden states, a shard each) -> data-parallel policy update and draft training side by
+side -> new policy and draft weights hot-swapped into every running engine -> metrics; a
+checkpoint every N iterations and at the end.
 """
 
 from __future__ import annotations
