@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
-import uuid
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from grpo_specdec.modelcheck import (
     draft_method,
     resolve_max_model_len,
 )
+from grpo_specdec.swap_files import SwapFiles
 from grpo_specdec.vllm_compat import stop_engine
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
@@ -283,7 +282,7 @@ class Engine:
         if cfg.engine_process == "in_process":
             _LIVE_IN_PROCESS.add(self)
         self.tokenizer = self.llm.get_tokenizer()
-        self._swap_files: dict[str, Path] = {}
+        self._swap_files = SwapFiles()
         self._device = self.llm.llm_engine.vllm_config.device_config.device_type
         self._warned_seed = False
 
@@ -381,12 +380,8 @@ class Engine:
         `metadata` declares config facts the weights were built for (e.g. vocab_size);
         the engine rejects them if its model differs.
         """
-        from safetensors.torch import save_file
-
         start = time.perf_counter()
-        path = _swap_dir() / f"{role}-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
-        tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
-        save_file(tensors, str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
+        path = self._swap_files.write(role, weights, version, metadata)
         written = time.perf_counter()
         try:
             report = self.llm.collective_rpc("grpo_swap_weights", args=(role, str(path), version))[
@@ -395,10 +390,7 @@ class Engine:
         except BaseException:
             path.unlink(missing_ok=True)
             raise
-        previous = self._swap_files.get(role)
-        self._swap_files[role] = path
-        if previous is not None:
-            previous.unlink(missing_ok=True)
+        self._swap_files.loaded(role, path)
         # Cached prefixes hold KV computed with the old weights.
         self.llm.reset_prefix_cache()
         return {**report, "write_s": written - start, "total_s": time.perf_counter() - start}
@@ -435,22 +427,14 @@ class Engine:
         self.llm.collective_rpc("grpo_declare_weight_versions", args=(versions,))
 
     def shutdown(self) -> None:
-        for path in self._swap_files.values():
-            path.unlink(missing_ok=True)
-        self._swap_files.clear()
+        if hasattr(self, "_swap_files"):
+            self._swap_files.remove_all()
         engine = getattr(self, "llm", None)
         if engine is None:
             return
         _LIVE_IN_PROCESS.discard(self)
         stop_engine(engine, others_alive=bool(_LIVE_IN_PROCESS))
         del self.llm
-
-
-def _swap_dir() -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    path = base / "grpo-specdec"
-    path.mkdir(exist_ok=True)
-    return path
 
 
 def read_prompts_file(path: str | Path) -> list[str]:
