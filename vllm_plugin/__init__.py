@@ -8,7 +8,8 @@ much, sampled drafting that cost more than it gained, engine starts that recompi
 every time, aborted at random, or failed after numba was imported; everywhere, a draft pass that ran on steps drafting nothing (it now runs
 lazily, catching up when drafting resumes); and, when configured, drafts from a GRPO
 group's text join the engine's own (its one per-step hook, `take_draft_token_ids`). Set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM
-untouched.
+untouched. In a `vllm serve` API process it also turns on multiprocess metrics, so that
+/metrics shows the engine core's (see `serve_metrics`).
 """
 
 import logging
@@ -24,6 +25,9 @@ SKIPPED: list[str] = []
 def register() -> None:
     global LOADED
     LOADED = True
+    from vllm_plugin import serve_metrics
+
+    serve_metrics.enable_for_serve()
     if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":
         return
     import vllm
