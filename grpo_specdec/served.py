@@ -42,11 +42,12 @@ class ServedWeights:
     ) -> dict:
         """Load `role` ("policy" or "draft") weights into the served engine, as
         `Engine.swap_weights` does in-process; a rejected swap raises and the server keeps
-        serving its old weights."""
+        serving its old weights. (After a timeout or a lost connection the file stays:
+        the server may still be loading it.)"""
         path = self._files.write(role, weights, version, metadata)
         try:
             report = self._call("POST", {"role": role, "path": str(path), "version": version})
-        except BaseException:
+        except RuntimeError:  # refused: the server does not hold on to the file
             path.unlink(missing_ok=True)
             raise
         self._files.loaded(role, path)

@@ -25,11 +25,11 @@ SKIPPED: list[str] = []
 def register() -> None:
     global LOADED
     LOADED = True
+    if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":
+        return
     from vllm_plugin import serve_metrics
 
     serve_metrics.enable_for_serve()
-    if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":
-        return
     import vllm
     from vllm.platforms import current_platform
 

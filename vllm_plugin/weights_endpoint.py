@@ -8,8 +8,10 @@ routes (VLLM_SERVER_DEV_MODE) are outside that check and NCCL-only.
 
 The body names a safetensors file on the server's machine, written by a trainer next to
 it (`grpo_specdec.served.ServedWeights`): {"role": "policy" | "draft", "path", "version"}.
-Validation and loading are the weight-swap worker extension's (`grpo_swap_weights`), so
-a rejected swap leaves the engine serving its old weights.
+Validation and loading are the weight-swap worker extension's (`grpo_swap_weights`): a
+rejected swap (400) leaves the engine serving its old weights; one whose load failed and
+whose restore failed too (500, "mixed") leaves an engine that refuses to generate until a
+swap of that role succeeds.
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ async def swap_weights(body: SwapRequest, request: Request):
             "grpo_swap_weights", args=(body.role, body.path, body.version)
         )
     except Exception as err:  # the worker's reason (bad names, shapes, values, a failed load)
-        return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=400)
+        # The engine core hands back the worker's message, not its type: a load that failed
+        # and whose restore failed too says its weights "may be a mix" (MixedWeightsError).
+        mixed = "may be a mix" in str(err)
+        return JSONResponse(
+            {"error": f"{type(err).__name__}: {err}", "mixed": mixed},
+            status_code=500 if mixed else 400,
+        )
     await engine.reset_prefix_cache()  # cached prefixes hold KV of the old weights
     return report[0]
 

@@ -9,6 +9,11 @@ import torch
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 
 
+def loss_stat_names(kl: bool) -> list[str]:
+    """The statistics `grpo_loss` returns (with `kl` when a KL term is on)."""
+    return ["clip_frac", "loss"] + (["kl"] if kl else [])
+
+
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """rewards [groups, G] -> (advantages [groups, G], informative [groups]).
 

@@ -26,10 +26,11 @@ _PLACEABLE_CPUS = 0.01
 class Placement:
     """The job's placement groups, created once and kept across restarts of its actors."""
 
-    def __init__(self, cfg: RaySettings, ready_timeout_s: float = 120.0):
+    def __init__(self, cfg: RaySettings, draft: bool = True, ready_timeout_s: float = 120.0):
+        """`draft`: whether the job has a draft learner to place."""
         self.cfg = cfg
         self.groups = {}
-        for role in ROLES:
+        for role in [r for r in ROLES if draft or r != "draft"]:
             bundle = {"CPU": max(self._resources(role)["num_cpus"], _PLACEABLE_CPUS)}
             if self._resources(role)["num_gpus"]:
                 bundle["GPU"] = self._resources(role)["num_gpus"]

@@ -58,7 +58,7 @@ class RolloutSettings(StrictModel):
     enforce_eager: bool = False
     seeded: bool = Field(
         False,
-        description="seed each iteration's sampling from (seed, iteration): a prompt's samples "
+        description="seed each prompt's sampling from (seed, its example's index): its samples "
         "then do not depend on which engine serves it, or beside what (vLLM 0.32 on CPU "
         "ignores request seeds while speculating)",
     )

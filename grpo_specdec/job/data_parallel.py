@@ -32,7 +32,10 @@ def rendezvous_address(host: str) -> str:
 
 def join(address: str, rank: int, world: int, device: torch.device, timeout_s: float) -> None:
     """Join the process group. `timeout_s` bounds every collective: a rank whose peer died
-    fails after it instead of waiting forever."""
+    fails after it instead of waiting forever. It must outlast the slowest rank's work
+    before a collective (a rank whose shard has nothing to learn from waits there for the
+    others' forward and backward); the job itself does not wait for it (a dead peer is
+    seen by Ray at once)."""
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         init_method=address,
@@ -59,7 +62,7 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
     dist.all_reduce(flat)
     offset = 0
     for p in kept:
-        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
 
 

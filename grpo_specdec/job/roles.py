@@ -21,7 +21,7 @@ from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
 from grpo_specdec.draft.head import DraftHead, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, SpecCounters
-from grpo_specdec.grpo.core import grpo_loss
+from grpo_specdec.grpo.core import grpo_loss, loss_stat_names
 from grpo_specdec.job import data_parallel
 from grpo_specdec.job.checkpoints import latest_checkpoint, load_learner_state
 from grpo_specdec.job.config import PolicySettings
@@ -228,7 +228,7 @@ class PolicyLearner:
 
         return data_parallel.rendezvous_address(ray.util.get_node_ip_address())
 
-    def join(self, address: str, rank: int, world: int, timeout_s: float = 120.0) -> None:
+    def join(self, address: str, rank: int, world: int, timeout_s: float = 1800.0) -> None:
         data_parallel.join(address, rank, world, self.device, timeout_s)
         self.rank, self.world = rank, world
 
@@ -319,8 +319,8 @@ class PolicyLearner:
                     sums[k] = sums.get(k, 0.0) + v * share
             if self.world > 1:
                 data_parallel.all_reduce_grads(list(self.model.parameters()))
-                keys = ["loss", "clip_frac"] + (["kl"] if self.ref is not None else [])
-                sums = data_parallel.all_reduce_sums(sums, keys, self.device)
+                names = loss_stat_names(kl=self.ref is not None)
+                sums = data_parallel.all_reduce_sums(sums, names, self.device)
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             if not torch.isfinite(norm):
                 raise FloatingPointError(

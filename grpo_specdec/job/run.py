@@ -95,7 +95,7 @@ class Job:
             next(iter(read_manifest(self.base_policy).values()))[1]
         ).removeprefix("torch.")
         self._init_ray()
-        self.placement = Placement(cfg.ray)
+        self.placement = Placement(cfg.ray, draft=self._has_draft_learner(cfg.model.draft))
         self.rollouts, self.policies, self.draft = [], [], None
         self._start(ckpt)
 
@@ -128,8 +128,7 @@ class Job:
             self.iteration, self.cursor = 0, 0
             random.seed(cfg.seed)
         place = self.placement
-        # A learner when the draft trains online, or to create a new head for the engine.
-        if cfg.rollout.speculation != "off" and (cfg.draft.online or not draft_dir):
+        if self._has_draft_learner(draft_dir):
             self.draft = place.actor("draft", max_restarts=-1).remote(
                 self.base_policy,
                 draft_dir,
@@ -172,6 +171,11 @@ class Job:
         self._served = self._weights_served(versions)
         _truncate_metrics(self.metrics_path, self.iteration)
 
+    def _has_draft_learner(self, draft_dir: str | None) -> bool:
+        """A learner when the draft trains online, or to create a new head for the engine."""
+        cfg = self.cfg
+        return cfg.rollout.speculation != "off" and (cfg.draft.online or not draft_dir)
+
     def _actors(self) -> list:
         return [*self.rollouts, *self.policies, *([self.draft] if self.draft else [])]
 
@@ -188,9 +192,9 @@ class Job:
                 None,
             )
         }
-        if self.draft is not None:
-            weights, meta, _, _ = ray.get(self.draft.export.remote())
-            served["draft"] = (ray.put(weights), versions["draft"], meta)
+        if self.draft is not None and self.cfg.draft.online:
+            weights, meta, _, _ = self.draft.export.options(num_returns=4).remote()
+            served["draft"] = (weights, versions["draft"], ray.get(meta))
         return served
 
     def _restart(self, reason: str) -> None:
@@ -356,6 +360,7 @@ class Job:
                 batch.advantages.append(float(adv[g, s]))
                 batch.informative.append(bool(informative[g]))
 
+        batch = ray.put(batch)  # once, for every rank
         shards = [p.prepare.remote(batch) for p in self.policies]
         updates = [p.update.remote() for p in self.policies]
         draft_job = (
@@ -372,9 +377,10 @@ class Job:
         if policy_stats.get("policy_steps"):
             sync["policy"] = self._sync_policy(policy_stats["policy_version"])
         if draft_stats.get("draft_steps"):
-            weights, meta, dversion, trained_on = ray.get(self.draft.export.remote())
+            weights, *facts = self.draft.export.options(num_returns=4).remote()
+            meta, dversion, trained_on = ray.get(facts)  # the weights stay in the object store
             try:
-                sync["draft"] = self._swap("draft", ray.put(weights), dversion, meta)
+                sync["draft"] = self._swap("draft", weights, dversion, meta)
                 draft_stats["draft_trained_on_policy"] = trained_on
             except ray.exceptions.RayTaskError as err:
                 if isinstance(err.cause, MixedWeightsError):
@@ -446,13 +452,18 @@ class Job:
                 outcomes.append(err)
         failures = [o for o in outcomes if isinstance(o, Exception)]
         if failures:
+            # An engine whose weights may be a mix refuses to generate: that one is the news.
+            failures.sort(key=lambda err: not isinstance(err.cause, MixedWeightsError))
             loaded = [
                 e
                 for e, o in zip(self.rollouts, outcomes, strict=True)
                 if not isinstance(o, Exception)
             ]
             if loaded:
-                ray.get([e.load_weights.remote(role, *self._served[role]) for e in loaded])
+                try:
+                    ray.get([e.load_weights.remote(role, *self._served[role]) for e in loaded])
+                except ray.exceptions.RayTaskError as err:
+                    raise err from failures[0]
             raise failures[0]
         if self._served:
             self._served[role] = (weights, version, metadata)
@@ -618,7 +629,10 @@ def comparison_table(runs: dict[str, dict], prompts: int, group: int) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, v in runs.items():
-        ks = ", ".join(f"{k}: {n}" for k, n in sorted(v["k_steps"].items())) or "-"
+        ks = ", ".join(
+            f"{k}: {n}" for k, n in sorted(v["k_steps"].items(), key=lambda kv: int(kv[0]))
+        )
+        ks = ks or "-"
         lines.append(
             f"| {name} | {v['tokens']} | {v['wall_s']:.1f} | {v['tokens_per_s']:.1f} | "
             f"{v['tokens_per_s'] / base:.2f}x | {v['mean_acceptance_length']:.2f} | {ks} |"
