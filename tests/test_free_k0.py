@@ -30,18 +30,32 @@ class StepCycle:
         return K_CYCLE[(self.step - 1) % len(K_CYCLE)]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_target, tiny_draft, tmp_path_factory):
+def _step_cycle_engine(target, draft, folder, draft_sampling):
     latency = LatencyModel(HingeLatency(40.0, 4.0, 8.0), LinearCost(0.2, 0.01))
-    profile = tmp_path_factory.mktemp("free_k0") / "profile.json"
+    profile = folder / "profile.json"
     profile.write_text(json.dumps({"latency": latency.to_dict()}))
     speculative = {
-        "draft": tiny_draft,
+        "draft": draft,
         "k": 4,
+        "draft_sampling": draft_sampling,
         "concurrency_aware": True,
         "controller": {"profile": str(profile)},
     }
-    engine = Engine(tiny_engine_config(tiny_target, speculative=speculative))
+    return Engine(tiny_engine_config(target, speculative=speculative))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target, tiny_draft, tmp_path_factory):
+    engine = _step_cycle_engine(tiny_target, tiny_draft, tmp_path_factory.mktemp("k0"), "greedy")
+    yield engine
+    free_k0.ENABLED = True
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sampled_engine(tiny_target, tiny_draft, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("k0_sampled")
+    engine = _step_cycle_engine(tiny_target, tiny_draft, folder, "probabilistic")
     yield engine
     free_k0.ENABLED = True
     engine.shutdown()
@@ -107,10 +121,46 @@ def test_temperature_one_distribution_is_the_target_s(engine, plain_engine, ques
     empirical distributions, 600 samples each, against what sampling noise gives)."""
     sampling = SamplingSettings(n=200, temperature=1.0, max_tokens=6, ignore_eos=True)
     prompts = questions[:3]
-    lazy, (skipped, _) = _generate(engine, True, prompts, sampling)
-    assert skipped > 0
+    lazy, (skipped, caught_up) = _generate(engine, True, prompts, sampling)
+    assert skipped > 0 and caught_up > 0
     plain = plain_engine.generate(prompts, sampling)
     assert_same_distribution(lazy, plain, range(1, 6), 200)
+
+
+def _record_draft_probabilities(worker) -> None:
+    """From now on, each draft pass of this worker records its k and whether it left
+    draft probabilities (q) for the runner to take."""
+    drafter = worker.model_runner.drafter
+    propose, drafter.recorded = type(drafter).propose.__get__(drafter), []
+
+    def recording(*args, **kwargs):
+        drafts = propose(*args, **kwargs)
+        left = drafter.take_last_draft_probs() is not None
+        drafter.recorded.append((kwargs["num_speculative_tokens"], left))
+        return drafts
+
+    drafter.propose = recording
+
+
+def _stop_recording(worker) -> list[tuple[int, bool]]:
+    drafter = worker.model_runner.drafter
+    del drafter.propose
+    return drafter.recorded
+
+
+def test_a_skipped_pass_leaves_no_draft_probabilities(sampled_engine, questions):
+    """vLLM's draft pass forgets the last step's q first thing, so a k = 0 step hands the
+    runner none; the skipped pass must too, or the runner files the previous step's q
+    under this step's request ids, for drafts it never made."""
+    sampling = SamplingSettings(temperature=1.0, max_tokens=24, ignore_eos=True)
+    sampled_engine.llm.collective_rpc(_record_draft_probabilities)
+    try:
+        _, (skipped, _) = _generate(sampled_engine, True, questions[:4], sampling)
+    finally:
+        recorded = sampled_engine.llm.collective_rpc(_stop_recording)[0]
+    assert any(left for k, left in recorded if k > 0)  # sampled drafts leave their q
+    left_at_k0 = [left for k, left in recorded if k == 0]
+    assert len(left_at_k0) >= skipped > 0 and not any(left_at_k0)
 
 
 # ---- the catch-up itself, without an engine -------------------------------------------------

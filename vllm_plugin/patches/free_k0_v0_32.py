@@ -80,7 +80,7 @@ class KeptDraftInputs:
         self.steps.clear()
         self.nbytes = 0
 
-    def prepend(self, req_ids, token_ids, positions, hidden, cad, capacity: int):
+    def prepend(self, req_ids, token_ids, positions, hidden, attn_metadata, capacity: int):
         """This step's draft inputs with each request's kept positions in front of its
         scheduled tokens: (token_ids, positions, hidden, attention metadata, positions put
         in front of each request), or None if nothing is kept for these requests. At most
@@ -88,12 +88,12 @@ class KeptDraftInputs:
         scheduled = set(req_ids)
         if not any(r in scheduled for s in self.steps for r in s.req_ids):
             return None
-        n = int(cad.num_actual_tokens)
+        n = int(attn_metadata.num_actual_tokens)
         current = dict(
             token_ids=token_ids[:n],
             positions=positions[:n],
             hidden=hidden[:n],
-            slots=cad.slot_mapping[:n],
+            slots=attn_metadata.slot_mapping[:n],
         )
 
         def pooled(field: str) -> torch.Tensor:  # kept rows, then this step's
@@ -107,45 +107,45 @@ class KeptDraftInputs:
             for r in s.req_ids:
                 kept_rows.setdefault(r, []).append(row)
                 row += 1
-        starts = cad.query_start_loc_cpu.tolist()
-        per_request = []
+        starts = attn_metadata.query_start_loc_cpu.tolist()
+        rows_in_front = []  # per request: its kept rows that end where its tokens start
         for i, r in enumerate(req_ids):
             expect = pool_positions[row + starts[i]] - 1
-            run = []
+            contiguous = []
             for j in reversed(kept_rows.get(r, ())):
                 if pool_positions[j] != expect:
                     break
-                run.append(j)
+                contiguous.append(j)
                 expect -= 1
-            per_request.append(run[::-1])
-        total = sum(map(len, per_request))
+            rows_in_front.append(contiguous[::-1])
+        total = sum(map(len, rows_in_front))
         if total == 0:
             return None
         if n + total > capacity:
-            cap = max(0, (capacity - n) // sum(1 for p in per_request if p))
-            per_request = [p[len(p) - min(len(p), cap) :] for p in per_request]
+            cap = max(0, (capacity - n) // sum(1 for p in rows_in_front if p))
+            rows_in_front = [p[len(p) - min(len(p), cap) :] for p in rows_in_front]
         index, query_start = [], [0]
-        for i, run in enumerate(per_request):
-            index += run + list(range(row + starts[i], row + starts[i + 1]))
+        for i, in_front in enumerate(rows_in_front):
+            index += in_front + list(range(row + starts[i], row + starts[i + 1]))
             query_start.append(len(index))
         self.caught_up_positions += len(index) - n
         index_t = torch.tensor(index, device=hidden.device)
         ids_, pos_, hid_, slot_ = (
             (pool[f] if f in pool else pooled(f))[index_t] for f in SkippedStep.FIELDS
         )
-        qsl_cpu = torch.tensor(query_start, dtype=cad.query_start_loc_cpu.dtype)
-        lens = [b - a for a, b in zip(query_start, query_start[1:])]
-        new_cad = cad.replace(
-            query_start_loc=qsl_cpu.to(cad.query_start_loc.device),
+        qsl_cpu = torch.tensor(query_start, dtype=attn_metadata.query_start_loc_cpu.dtype)
+        query_lens = [end - start for start, end in zip(query_start, query_start[1:])]
+        new_metadata = attn_metadata.replace(
+            query_start_loc=qsl_cpu.to(attn_metadata.query_start_loc.device),
             query_start_loc_cpu=qsl_cpu,
             num_actual_tokens=len(index),
-            max_query_len=max(lens),
+            max_query_len=max(query_lens),
             slot_mapping=slot_,
-            positions=None if cad.positions is None else pos_,
+            positions=None if attn_metadata.positions is None else pos_,
             _num_computed_tokens_cache=None,
             _token_to_req_indices_cache=None,
         )
-        return ids_, pos_, hid_, new_cad, [len(p) for p in per_request]
+        return ids_, pos_, hid_, new_metadata, [len(p) for p in rows_in_front]
 
 
 def _eligible(proposer) -> bool:
@@ -179,62 +179,70 @@ def _wrap_propose(original):
         if kept is None or step is None or not ENABLED:
             return original(self, *args, **kwargs)
         req_ids, num_draft_tokens = step
-        a = signature.bind(self, *args, **kwargs).arguments
-        cad = a["common_attn_metadata"]
-        n = int(cad.num_actual_tokens)
-        query_lens = torch.diff(cad.query_start_loc_cpu).tolist()
+        call_args = signature.bind(self, *args, **kwargs).arguments
+        attn_metadata = call_args["common_attn_metadata"]
+        n = int(attn_metadata.num_actual_tokens)
+        query_lens = torch.diff(attn_metadata.query_start_loc_cpu).tolist()
         # Decode-only: every request's tokens are its last sampled one and its drafts.
         decode_only = all(q == 1 + d for q, d in zip(query_lens, num_draft_tokens))
-        if a["num_speculative_tokens"] == 0 and decode_only:
-            rows = torch.arange(n, device=cad.seq_lens.device)
+        if call_args["num_speculative_tokens"] == 0 and decode_only:
+            rows = torch.arange(n, device=attn_metadata.seq_lens.device)
             row_req_ids = list(req_ids)
             if any(num_draft_tokens):
                 # Drafts were verified: keep what was accepted (rejected positions are
                 # written again when their real tokens come).
-                rejected = a.get("num_rejected_tokens_gpu")
+                rejected = call_args.get("num_rejected_tokens_gpu")
                 if rejected is None:
                     kept.clear()
                     return original(self, *args, **kwargs)
                 valid = [q - r for q, r in zip(query_lens, rejected.tolist())]
-                starts = cad.query_start_loc_cpu.tolist()
+                starts = attn_metadata.query_start_loc_cpu.tolist()
                 index = [j for s, v in zip(starts, valid) for j in range(s, s + v)]
                 rows = torch.tensor(index, device=rows.device)
                 row_req_ids = [r for r, v in zip(req_ids, valid) for _ in range(v)]
             kept.keep(
                 SkippedStep(
                     row_req_ids,
-                    a["target_token_ids"][rows].clone(),
-                    a["target_positions"][rows].clone(),
-                    a["target_hidden_states"][rows].clone(),
-                    cad.slot_mapping[rows].clone(),
+                    call_args["target_token_ids"][rows].clone(),
+                    call_args["target_positions"][rows].clone(),
+                    call_args["target_hidden_states"][rows].clone(),
+                    attn_metadata.slot_mapping[rows].clone(),
                 )
             )
-            return torch.empty(cad.batch_size(), 0, dtype=torch.int64, device=cad.seq_lens.device)
+            # vLLM's propose forgets the last step's draft probabilities first thing; the
+            # runner would otherwise file them under this step's requests.
+            self._last_draft_probs = None
+            return torch.empty(
+                attn_metadata.batch_size(),
+                0,
+                dtype=torch.int64,
+                device=attn_metadata.seq_lens.device,
+            )
         caught_up = kept.prepend(
             req_ids,
-            a["target_token_ids"],
-            a["target_positions"],
-            a["target_hidden_states"],
-            cad,
+            call_args["target_token_ids"],
+            call_args["target_positions"],
+            call_args["target_hidden_states"],
+            attn_metadata,
             self.max_num_tokens,
         )
         kept.clear()
         if caught_up is not None:
             (
-                a["target_token_ids"],
-                a["target_positions"],
-                a["target_hidden_states"],
-                a["common_attn_metadata"],
+                call_args["target_token_ids"],
+                call_args["target_positions"],
+                call_args["target_hidden_states"],
+                call_args["common_attn_metadata"],
                 added,
             ) = caught_up
-            sample = a["token_indices_to_sample"]
+            sample = call_args["token_indices_to_sample"]
             if sample is not None:
                 # Each request's sampled row moves down by the rows put in front of it
                 # and of the requests before it.
                 shift = torch.tensor(added, device=sample.device).cumsum(0).to(sample.dtype)
-                a["token_indices_to_sample"] = sample + shift
-        del a["self"]
-        return original(self, **a)
+                call_args["token_indices_to_sample"] = sample + shift
+        del call_args["self"]
+        return original(self, **call_args)
 
     propose._grpo_original = original
     return propose
