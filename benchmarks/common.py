@@ -4,8 +4,10 @@ each rebuilt by the project's own commands when absent."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 
 from grpo_specdec.assets.smollm2 import DEFAULT_DRAFT_VOCAB, head_dir
@@ -14,6 +16,11 @@ from vllm_plugin.settings import PROFILE_FORMAT
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 ASSETS = DOCS / "assets"
+STUDIES = DOCS / "benchmarks"  # one file per study, each rewritten whole by its benchmark
+STALE_NOTES = (
+    "> **Written for an earlier run.** The results above changed since these notes were "
+    "written: check every figure they quote against them, then delete this line."
+)
 
 
 def cli(*args: str) -> str:
@@ -141,16 +148,43 @@ def fixed_k_engine(target: str, head: str, k_max: int, draft_sampling: str = "gr
     )
 
 
-def write_section(doc: Path, marker: str, body: str) -> None:
-    """Replace the text between `<!-- marker -->` and `<!-- /marker -->` in doc."""
-    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
-    text = doc.read_text() if doc.is_file() else ""
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+def write_study(study: str, title: str, results: str, script: str, today: str = "") -> Path:
+    """Write docs/benchmarks/<study>.md whole: `title`, the day measured, `results` (what this
+    run of `script` found) and the notes on reading them.
+
+    The notes are written by hand after a run, so they are carried over from the file this one
+    replaces, marked as written for an earlier run when the results changed. The day is
+    today's (or `today`) when the results changed, else the old file's (a report rebuilt from
+    saved data was measured when the data was)."""
+    path = STUDIES / f"{study}.md"
+    old = path.read_text() if path.is_file() else ""
+    old_results, notes = _between(old, "results"), _between(old, "reading")
+    results = results.strip()
+    day = re.search(r"^Measured on (\d{4}-\d{2}-\d{2})", old, re.M)
+    if results != old_results or not day:
+        day_measured = today or date.today().isoformat()
+        if notes and not notes.startswith(STALE_NOTES):
+            notes = f"{STALE_NOTES}\n\n{notes}"
     else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
+        day_measured = day.group(1)
+    parts = [
+        f"# {title}",
+        f"Measured on {day_measured}. `python benchmarks/{script}` rewrites this file whole "
+        'on each run, keeping only the notes under "How to read it"; earlier runs are in git '
+        "history. [All studies and the headline figures](../BENCHMARKS.md).",
+        f"## Results\n\n<!-- results -->\n{results}\n<!-- /results -->",
+    ]
+    if notes:
+        parts.append(f"<!-- reading -->\n{notes}\n<!-- /reading -->")
+    STUDIES.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(parts) + "\n")
+    return path
+
+
+def _between(text: str, marker: str) -> str:
+    """The text between `<!-- marker -->` and `<!-- /marker -->`, stripped ("" if absent)."""
+    match = re.search(rf"<!-- {marker} -->\n(.*?)\n?<!-- /{marker} -->", text, re.S)
+    return match.group(1).strip() if match else ""
 
 
 def load_json(path: Path) -> dict:

@@ -21,12 +21,11 @@ from safetensors.torch import load_file
 
 from benchmarks.common import (
     ASSETS,
-    DOCS,
     fixed_k_engine,
     smollm2,
     smollm2_head,
     smollm2_profile,
-    write_section,
+    write_study,
 )
 from grpo_specdec.engine import SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
@@ -103,7 +102,7 @@ def main() -> None:
             f"{r['draft_step_fraction'][32]:.2f} | {r['draft_swap_ms']:.0f} | {r['policy_swap_ms']:.0f} |"
         )
     body = "\n".join(lines)
-    write_section(DOCS / "BENCHMARKS.md", "draft-heads", "## Draft heads (SmolLM2-135M)\n\n" + body)
+    write_study("draft_heads", "Draft heads (SmolLM2-135M)", body, "draft_heads.py")
     print(body)
 
 

@@ -10,8 +10,9 @@ The same GRPO run (seed, data, iterations) in five configurations:
   (c) concurrency-aware, frozen draft
   (d) fixed k, online draft learning
   (e) full: concurrency-aware + online draft learning
-Each is a real `grpo-specdec train` job (Ray, vLLM, hot-swaps). Results, with the time
-split per iteration and acceptance length per iteration, go into docs/BENCHMARKS.md.
+Each is a real `grpo-specdec train` job (Ray, vLLM, hot-swaps). Each shape's results are
+saved to docs/assets/e2e_SHAPE.json; docs/benchmarks/e2e_grpo.md is rewritten from every
+shape saved there, with the time split and acceptance length per iteration.
 """
 
 from __future__ import annotations
@@ -29,12 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 
 from benchmarks.common import (
     ASSETS,
-    DOCS,
     ROOT,
     smollm2,
     smollm2_head,
     smollm2_profile,
-    write_section,
+    write_study,
 )
 from grpo_specdec.config import load_yaml
 from grpo_specdec.job.config import TrainConfig
@@ -267,7 +267,7 @@ def report(shape: str, s: dict, iterations: int, group: int) -> str:
         ]
     lines += [
         "",
-        f"![acceptance length per iteration](assets/e2e_{shape}_acceptance.png) ![time split](assets/e2e_{shape}_split.png)",
+        f"![acceptance length per iteration](../assets/e2e_{shape}_acceptance.png) ![time split](../assets/e2e_{shape}_split.png)",
     ]
     return "\n".join(lines)
 
@@ -344,7 +344,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def section(data: dict, rebuilt: bool) -> str:
-    """The docs/BENCHMARKS.md section of one shape's saved results."""
+    """The study file's part for one shape's saved results."""
     args = data["args"]
     shape, sets = args["shape"], args.get("set", [])
     command = (
@@ -361,7 +361,7 @@ def section(data: dict, rebuilt: bool) -> str:
             f"; tables rebuilt from the saved results (`docs/assets/e2e_{shape}.json`) with "
             f"`python benchmarks/e2e_grpo.py --shape {shape} --report-only`"
         )
-    return f"## End-to-end GRPO, shape `{shape}` (SmolLM2-135M)\n\n{measured}.\n\n" + report(
+    return f"### Shape `{shape}`\n\n{measured}.\n\n" + report(
         shape, data["summary"], args["iterations"], group_size(shape, sets)
     )
 
@@ -383,8 +383,8 @@ def main() -> None:
     ap.add_argument(
         "--report-only",
         action="store_true",
-        help="run nothing: rebuild the shape's section of docs/BENCHMARKS.md from its saved "
-        "docs/assets/e2e_SHAPE.json",
+        help="run nothing: rebuild docs/benchmarks/e2e_grpo.md from the saved "
+        "docs/assets/e2e_SHAPE.json files",
     )
     ap.add_argument(
         "--set",
@@ -402,9 +402,15 @@ def main() -> None:
         ASSETS.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(data, indent=1))
         plot(args.shape, data["summary"])
-    body = section(data, rebuilt=args.report_only)
-    write_section(DOCS / "BENCHMARKS.md", f"e2e-{args.shape}", body)
-    print(body)
+    print(section(data, rebuilt=args.report_only))
+    parts = [
+        section(data, rebuilt=args.report_only)
+        if shape == args.shape
+        else section(json.loads((ASSETS / f"e2e_{shape}.json").read_text()), rebuilt=True)
+        for shape in SHAPES
+        if shape == args.shape or (ASSETS / f"e2e_{shape}.json").is_file()
+    ]
+    write_study("e2e_grpo", "End-to-end GRPO (SmolLM2-135M)", "\n\n".join(parts), "e2e_grpo.py")
 
 
 if __name__ == "__main__":

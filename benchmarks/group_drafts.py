@@ -17,7 +17,7 @@ the draft's common prefix with the sampled continuation.
 
 Reported per source and draft length: tokens per verify step (MAL), acceptance rate,
 the calibration of the index's confidence against measured acceptance, the history's
-size. Written to docs/BENCHMARKS.md (section `group-drafts`).
+size. Written to docs/benchmarks/group_drafts.md.
 """
 
 from __future__ import annotations
@@ -34,13 +34,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
 from benchmarks.common import (
-    DOCS,
     load_json,
     smollm2,
     smollm2_head,
     smollm2_profile,
     trained_policy,
-    write_section,
+    write_study,
 )
 from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.tasks.arithmetic import make_problems
@@ -263,7 +262,6 @@ def main() -> None:
     ap.add_argument(
         "--rollouts", default=str(default_dir().parent / "rollouts" / "group-drafts.json")
     )
-    ap.add_argument("--out", default=str(DOCS / "BENCHMARKS.md"))
     args = ap.parse_args()
     ks = [int(k) for k in args.k.split(",")]
 
@@ -303,15 +301,18 @@ def main() -> None:
     stale = replay(runs["trained"], "+history", max(ks), history_rounds=runs["untrained"])
     results["trained"]["stale_history"] = stale.summary()
     text = report(results, ks, args, latency)
-    write_section(Path(args.out), "group-drafts", text)
+    write_study(
+        "group_drafts",
+        "Group drafts: what a GRPO group's own text could draft",
+        text,
+        "group_drafts.py",
+    )
     print(text)
 
 
 def report(results, ks, args, latency: LatencyModel) -> str:
     lines = [
-        "## Group drafts: what a GRPO group's own text could draft (SmolLM2-135M, T = 1)",
-        "",
-        f"Measured with `python benchmarks/group_drafts.py` on {hardware_name()}: "
+        f"SmolLM2-135M, T = 1. Measured with `python benchmarks/group_drafts.py` on {hardware_name()}: "
         f"{args.prompts} arithmetic prompts x {args.group} samples, at most {args.max_tokens} "
         "tokens, two rounds per policy with no speculation; speculative decoding replayed on "
         "the second round (a one-hot draft token is accepted exactly when the sampled token "
@@ -351,13 +352,13 @@ def report(results, ks, args, latency: LatencyModel) -> str:
             "",
             f"Ceiling at T = 1: the target's own top token has mean probability "
             f"{res['top1']:.2f}, so no one-hot draft's first token is accepted more often; "
-            f"group drafts' first token (+history, k = 1): {first:.2f}. Even that best "
-            "one-token draft, free to make, would change throughput by "
+            f"group drafts' first token (+history, k = 1): {first:.2f}. Modelled, not measured: "
+            "even that best one-token draft, free to make, would change throughput by "
             + ", ".join(f"{v:.2f}x at B = {b}" for b, v in res["oracle_bound"].items())
             + " here (latency profile: verifying a token costs "
             f"{latency.target.slope:.2f} ms past {latency.target.knee:.0f} tokens, "
             f"{latency.target.flat:.1f} ms a step).",
-            f"Priced by `GroupDrafter` (calibrated confidence, each token kept only while it "
+            f"Modelled: priced by `GroupDrafter` (calibrated confidence, each token kept only while it "
             f"raises modelled goodput; all {args.prompts * args.group} samples in one batch): "
             f"MAL {pr['mal']:.2f}, {pr['drafted_per_step']:.2f} draft tokens per request-step, "
             f"modelled rollout time {1 / pr['modelled_speedup']:.2f}x of no speculation "

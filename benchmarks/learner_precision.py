@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 
 import torch
 
-from benchmarks.common import DOCS, smollm2, write_section
+from benchmarks.common import smollm2, write_study
 from grpo_specdec.job.config import PolicySettings
 from grpo_specdec.job.precision import cpu_has_bf16
 from grpo_specdec.job.roles import PolicyBatch, PolicyLearner
@@ -69,6 +69,11 @@ def main() -> None:
     cosine = float(g32 @ g16 / (g32.norm() * g16.norm()))
     body = "\n".join(
         [
+            "Measured with `python benchmarks/learner_precision.py`: one policy-learner step "
+            "(the forward for the rollout's log-probs and hidden states, then forward + backward "
+            "+ AdamW) in fp32 and under bf16 autocast, each its own learner from the same "
+            "weights, alternating.",
+            "",
             f"SmolLM2-135M, {args.sequences} sequences x ({64} prompt + {args.tokens} response) "
             f"tokens, micro-batch 4, median of {args.repeats} learner steps (prepare + update); "
             f"this CPU has bfloat16 instructions: {cpu_has_bf16()}.",
@@ -85,7 +90,9 @@ def main() -> None:
         ]
     )
     print(body)
-    write_section(DOCS / "BENCHMARKS.md", "learner-precision", body)
+    write_study(
+        "learner_precision", "Learner precision (SmolLM2-135M, CPU)", body, "learner_precision.py"
+    )
 
 
 if __name__ == "__main__":

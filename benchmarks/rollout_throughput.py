@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -34,13 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 
 from benchmarks.common import (
     ASSETS,
-    DOCS,
     load_json,
     smollm2,
     smollm2_head,
     smollm2_profile,
     trained_policy,
-    write_section,
+    write_study,
 )
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
@@ -232,13 +232,13 @@ def main() -> None:
     ap.add_argument(
         "--head", default=None, help="the SmolLM2 policy's head (default: the bootstrapped one)"
     )
-    ap.add_argument("--out", default=str(DOCS / "BENCHMARKS.md"))
     ap.add_argument(
-        "--section",
-        default="rollout-throughput",
-        help="the marked section of --out to write; also names the files in docs/assets",
+        "--study",
+        default="rollout_throughput",
+        help="the study file to rewrite (docs/benchmarks/STUDY.md); also names its files in "
+        "docs/assets",
     )
-    ap.add_argument("--note", default="", help="a paragraph to put under the section's title")
+    ap.add_argument("--note", default="", help="a paragraph on what this run is for")
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -403,17 +403,14 @@ def main() -> None:
             if "grpo" in results
         },
         "args": vars(args),
+        "command": shlex.join(["python", "benchmarks/rollout_throughput.py", *sys.argv[1:]]),
     }
     ASSETS.mkdir(parents=True, exist_ok=True)
-    (ASSETS / f"{_tag(args.section)}.json").write_text(json.dumps(report_data, indent=1))
+    (ASSETS / f"{args.study}.json").write_text(json.dumps(report_data, indent=1))
     plot(report_data)
     text = report(report_data)
-    write_section(Path(args.out), args.section, text)
+    write_study(args.study, "Rollout throughput (SmolLM2-135M, CPU)", text, "rollout_throughput.py")
     print(text)
-
-
-def _tag(section: str) -> str:
-    return section.replace("-", "_")
 
 
 def _ratio_table(per_key: dict, keys: list[str], header: list[str]) -> list[str]:
@@ -432,9 +429,8 @@ def report(r: dict) -> str:
     a = r["args"]
     res = r["results"]
     lines = [
-        "## Rollout throughput (SmolLM2-135M, CPU)",
-        "",
-        f"Measured with `python benchmarks/rollout_throughput.py` on {r['hardware']}, "
+        f"Measured with `{r.get('command', 'python benchmarks/rollout_throughput.py')}` on "
+        f"{r['hardware']}, "
         f"k_max = {r['k_max']}, "
         + (
             f"head `{Path(a['head']).name}`"
@@ -530,16 +526,16 @@ def report(r: dict) -> str:
                 f"| {n} | {v['tokens_per_s']:.0f} | {v['tokens_per_s'] / base:.2f}x | "
                 f"{v['wall_s']:.1f} | {v['mal']:.2f} | " + " | ".join(by_source) + " |"
             )
-    tag = _tag(a.get("section", "rollout-throughput"))
+    tag = a["study"]
     lines += [
         "",
         "Static tables used: "
         + "; ".join(f"{p}: `{t}`" for p, t in r["static_tables"].items())
         + " (from the profile and acceptance measured once at k_max on that policy's GRPO rollout).",
         "",
-        f"![throughput vs B](assets/{tag}_vs_b.png)",
+        f"![throughput vs B](../assets/{tag}_vs_b.png)",
         *(
-            ["", f"![concurrency and k over each GRPO rollout](assets/{tag}_k_trace.png)"]
+            ["", f"![concurrency and k over each GRPO rollout](../assets/{tag}_k_trace.png)"]
             * bool(grpo)
         ),
     ]
@@ -578,7 +574,7 @@ def plot(r: dict) -> None:
         ax.set_xticks(bs, [str(b) for b in bs])
         ax.legend(fontsize=7)
     fig.tight_layout()
-    tag = _tag(r["args"].get("section", "rollout-throughput"))
+    tag = r["args"]["study"]
     fig.savefig(ASSETS / f"{tag}_vs_b.png", dpi=120)
 
     traces = {s: t for s, t in r["traces"].items() if t}

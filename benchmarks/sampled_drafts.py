@@ -35,12 +35,11 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.common import (
     ASSETS,
-    DOCS,
     fixed_k_engine,
     smollm2,
     smollm2_head,
     smollm2_t1_head,
-    write_section,
+    write_study,
 )
 from grpo_specdec.draft.capture import Sequence, capture_hidden
 from grpo_specdec.draft.head import load_head
@@ -197,8 +196,6 @@ def _costs_at(batch: int, vocab_ids: torch.Tensor, vocab: int, k: int = 3) -> di
 
 def report(r: dict) -> str:
     lines = [
-        "## Sampled drafting at T=1 (SmolLM2-135M)",
-        "",
         f"Measured with `python benchmarks/sampled_drafts.py` on {r['hardware']}. Policy: "
         f"SmolLM2 as shipped; held-out arithmetic prompts ({r['prompts']}), at most "
         f"{MAX_TOKENS} tokens, T = 1. Heads: the default bootstrapped head (300 steps on "
@@ -282,7 +279,9 @@ def main() -> None:
     ASSETS.mkdir(parents=True, exist_ok=True)
     (ASSETS / "sampled_drafts.json").write_text(json.dumps(result, indent=1))
     text = report(result)
-    write_section(DOCS / "BENCHMARKS.md", "sampled-drafts", text)
+    write_study(
+        "sampled_drafts", "Sampled drafting at T=1 (SmolLM2-135M)", text, "sampled_drafts.py"
+    )
     print(text)
 
 

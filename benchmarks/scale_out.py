@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
-from benchmarks.common import ASSETS, DOCS, ROOT, write_section
+from benchmarks.common import ASSETS, ROOT, write_study
 from grpo_specdec.config import load_yaml
 from grpo_specdec.job.config import TrainConfig
 
@@ -94,6 +94,11 @@ def report(results: list[dict], iterations: int) -> str:
     base = results[0]["iteration_s"]
     r = load_yaml(TrainConfig, CONFIG).rollout
     lines = [
+        "Measured with `python benchmarks/scale_out.py`: the SmolLM2 job with 1 or 2 engines "
+        "(`ray.rollout_workers`) and 1 or 2 data-parallel policy ranks (`ray.policy_workers`), "
+        "each layout its own job with the same seed and data; then, inside each two-engine "
+        "job, the same policy weights loaded into one engine and into both, interleaved.",
+        "",
         f"SmolLM2-135M, configs/smollm2_arith.yaml ({r.prompts_per_iteration} prompts x "
         f"{r.group_size} samples, up to {r.max_tokens} tokens), {iterations} iterations per "
         f"layout, means over iterations 2..{iterations}; {os.cpu_count()} CPU cores shared by "
@@ -145,7 +150,12 @@ def main() -> None:
         saved.write_text(json.dumps(results, indent=1))
     body = report(results, args.iterations)
     print(body)
-    write_section(DOCS / "BENCHMARKS.md", "scale-out", body)
+    write_study(
+        "scale_out",
+        "Scaling out: engines and policy ranks (SmolLM2-135M, CPU)",
+        body,
+        "scale_out.py",
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The e2e benchmark's reward comparison: prompts, not samples, are the independent units."""
+"""Benchmark helpers: the e2e benchmark's reward comparison (prompts, not samples, are the
+independent units) and the writer of the study files in docs/benchmarks/."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import statistics
 
 import pytest
 
+from benchmarks import common
+from benchmarks.common import STALE_NOTES, write_study
 from benchmarks.e2e_grpo import paired_t, prompt_means, report
 
 # Per-prompt rewards of two configurations on the same six prompts: a difference within noise.
@@ -69,3 +72,35 @@ def test_report_shows_the_paired_prompt_level_t_against_the_reference():
     row = next(line for line in text.splitlines() if line.startswith("| (b) "))
     assert row.endswith(f"| {paired_t(X, Y):+.2f} |")
     assert "over the 6 prompts (5 degrees of freedom)" in text
+
+
+NOTES = "## How to read it\n\nk = 1 reads 1.20x."
+
+
+@pytest.fixture
+def studies(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "STUDIES", tmp_path)
+    return tmp_path
+
+
+def test_a_run_rewrites_its_study_whole(studies):
+    write_study("s", "Study", "| k=1 | 1.20x |\n\n### Old workload", "s.py", today="2026-11-30")
+    path = write_study("s", "Study", "| k=1 | 1.10x |", "s.py", today="2026-12-01")
+    text = path.read_text()
+    assert text.startswith("# Study\n\nMeasured on 2026-12-01. `python benchmarks/s.py`")
+    assert "1.10x" in text and "1.20x" not in text and "Old workload" not in text
+    assert text.count("# Study") == 1 and text.count("<!-- results -->") == 1
+
+
+def test_notes_are_kept_and_flagged_once_when_the_results_change(studies):
+    path = write_study("s", "Study", "| k=1 | 1.20x |", "s.py", today="2026-11-30")
+    path.write_text(path.read_text() + f"\n<!-- reading -->\n{NOTES}\n<!-- /reading -->\n")
+    write_study("s", "Study", "| k=1 | 1.20x |", "s.py", today="2026-12-05")  # rebuilt, same data
+    text = path.read_text()
+    assert "Measured on 2026-11-30" in text and NOTES in text and STALE_NOTES not in text
+    for day in ("2026-12-01", "2026-12-02"):  # two new runs
+        write_study("s", "Study", f"| k=1 | {day} |", "s.py", today=day)
+    text = path.read_text()
+    assert "Measured on 2026-12-02" in text
+    assert text.count(STALE_NOTES) == 1 and text.index(STALE_NOTES) < text.index(NOTES)
+    assert text.rstrip().endswith("<!-- /reading -->")
