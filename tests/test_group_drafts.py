@@ -154,6 +154,29 @@ def test_a_policy_swap_ages_out_rollouts_of_older_policies():
     assert {s[2] for s in index.sequences[1:]} == {20}
 
 
+def test_a_policy_swap_keeps_following_the_requests_still_running():
+    """A request running across swaps stays one sequence in the index (a second copy would
+    double its n-grams' counts) and its draft in verification is still scored, even after
+    the policy that began it ages out."""
+    drafter = GroupDrafter(FLAT, k_max=4, max_match=2, history_versions=1)
+    prompt = (1, 2, 3)
+    drafter.add_history(prompt, [[10, 11, 12, 13]] * 2)
+    assert drafter.propose([("r0", prompt, [10, 11])], [[]]).drafts == [[12, 13]]
+    index = drafter.history.group(prompt)
+    sequences, positions = len(index.sequences), index.positions
+    drafter.new_policy()
+    # Both drafted tokens were accepted, and a third token sampled.
+    drafter.propose([("r0", prompt, [10, 11, 12, 13, 14])], [[]])
+    index = drafter.history.group(prompt)
+    assert (len(index.sequences), index.positions) == (sequences, positions + 3)
+    stats = drafter.snapshot()["sources"][GROUP]
+    assert (stats["steps"], stats["draft_tokens"], stats["accepted_tokens"]) == (1, 2, 2)
+    drafter.new_policy()  # the history of the first policy ages out; r0 stays
+    drafter.propose([("r0", prompt, [10, 11, 12, 13, 14, 15])], [[]])
+    index = drafter.history.group(prompt)
+    assert index.sequences == [list(prompt), [2, 3, 10, 11, 12, 13, 14, 15]]
+
+
 # ---- inside vLLM ---------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ engine's own drafter made (EAGLE's k tokens per request, or none).
 Per request, the group's candidate comes from `GroupIndex` over the outputs of every
 request with the same prompt: its running siblings, and finished ones kept in the
 history (bounded in positions; a policy swap ages out the versions past
-`history_versions`). Its confidence estimates each token's chance of acceptance; the
+`history_versions`, but not the sequences still running). Its confidence estimates each token's chance of acceptance; the
 model draft's comes from its measured per-position acceptance. A request gets the source
 with more expected accepted tokens. Group tokens cost no draft time, only verification,
 so they are priced one by one with the latency model: the most confident first, for as
@@ -78,13 +78,21 @@ class ConfidenceCalibration:
             self.accepted[key] += j < accepted
 
 
+class PendingDraft(NamedTuple):
+    """A draft sent to verification, until the request's next output shows what was kept."""
+
+    source: str  # MODEL or GROUP
+    drafted: int
+    output_len: int  # the request's output length when it was drafted
+    calibration_keys: list  # of each group token; none for the model's
+
+
 @dataclass
 class _Tracked:
     prompt: tuple[int, ...]
     seq_id: int
     indexed: int = 0  # output tokens already in the index
-    # (source, drafted, output length then, calibration keys of group tokens)
-    pending: tuple[str, int, int, list] | None = None
+    pending: PendingDraft | None = None
 
 
 @dataclass
@@ -156,14 +164,14 @@ class GroupDrafter:
         if t is None:
             key = tuple(prompt)
             t = self.tracked[req_id] = _Tracked(key, self._add_sequence(key))
-        if t.pending is not None:
-            source, drafted, length, keys = t.pending
-            accepted = min(max(len(output) - length - 1, 0), drafted)
-            self.stats.sources[source].observe(drafted, accepted)
-            if source == MODEL:
-                self.model_acceptance.observe(drafted, accepted)
+        pending = t.pending
+        if pending is not None:
+            accepted = min(max(len(output) - pending.output_len - 1, 0), pending.drafted)
+            self.stats.sources[pending.source].observe(pending.drafted, accepted)
+            if pending.source == MODEL:
+                self.model_acceptance.observe(pending.drafted, accepted)
             else:
-                self.calibration.observe(keys, accepted)
+                self.calibration.observe(pending.calibration_keys, accepted)
             t.pending = None
         if len(output) > t.indexed:
             self.history.group(t.prompt).extend(t.seq_id, output[t.indexed :])
@@ -179,9 +187,14 @@ class GroupDrafter:
         """The engine now serves new policy weights: rollouts older than the last
         `history_versions` swaps age out."""
         self.version += 1
-        self.history.drop_versions_before(self.version - self.history_versions)
-        # Requests still running keep their sequences; re-follow them from scratch.
-        self.tracked.clear()
+        running: dict[tuple[int, ...], set[int]] = {}
+        for t in self.tracked.values():
+            running.setdefault(t.prompt, set()).add(t.seq_id)
+        # Requests still running keep their sequences (and drafts still being verified),
+        # whichever policy began them; the re-indexed history renumbers them.
+        new_ids = self.history.drop_versions_before(self.version - self.history_versions, running)
+        for t in self.tracked.values():
+            t.seq_id = new_ids[t.prompt][t.seq_id]
 
     # ---- what to verify next ----------------------------------------------------------
     def propose(self, rows, model_drafts: list[list[int]]) -> Proposal:
@@ -239,7 +252,7 @@ class GroupDrafter:
             out.sources.append(source)
             out.model_discarded.append(len(model_drafts[row]) if source == GROUP else 0)
             if draft:
-                self.tracked[req_id].pending = (source, len(draft), len(output), keys)
+                self.tracked[req_id].pending = PendingDraft(source, len(draft), len(output), keys)
         return out
 
     def _marginal_price(self, batch: int, k_model: int, model_expected: float) -> float:

@@ -118,15 +118,17 @@ class GroupIndex:
             live = [(seq, p + 1) for seq, p in live if p < len(seq) and seq[p] == token]
         return Draft(tokens, confidence, match_len)
 
-    def drop_versions_before(self, version: int) -> None:
-        """Forget sequences written by a policy older than `version` (re-index the rest)."""
-        keep = [(s, v) for s, v in zip(self.sequences, self.versions) if v >= version]
-        if len(keep) == len(self.sequences):
-            return
+    def drop_versions_before(self, version: int, in_use=frozenset()) -> dict[int, int]:
+        """Forget sequences written by a policy older than `version`, except those whose
+        ids are `in_use` (still being extended), and re-index the rest. Returns the new id
+        of each kept sequence, by its old id."""
+        kept = [i for i, v in enumerate(self.versions) if v >= version or i in in_use]
+        if len(kept) == len(self.sequences):
+            return {i: i for i in kept}
+        sequences, versions = self.sequences, self.versions
         self.sequences, self.versions, self.table = [], [], {}
         self.positions = self.occurrences = 0
-        for seq, v in keep:
-            self.add_sequence(seq, v)
+        return {i: self.add_sequence(sequences[i], versions[i]) for i in kept}
 
     @property
     def approx_bytes(self) -> int:
@@ -168,6 +170,10 @@ class GroupHistory:
             total -= self.groups.pop(prompt).positions
             self.evicted_groups += 1
 
-    def drop_versions_before(self, version: int) -> None:
-        for index in self.groups.values():
-            index.drop_versions_before(version)
+    def drop_versions_before(self, version: int, in_use: dict) -> dict:
+        """`GroupIndex.drop_versions_before` for every group; `in_use` holds the ids in use
+        by prompt, and the new ids come back by prompt."""
+        return {
+            prompt: index.drop_versions_before(version, in_use.get(prompt, ()))
+            for prompt, index in self.groups.items()
+        }
