@@ -209,7 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     dtrain.add_argument("--out", required=True)
     dtrain.add_argument("--steps", type=int, default=400)
     dtrain.add_argument("--num-prompts", type=int, default=512)
-    dtrain.add_argument("--eval-prompts", type=int, default=32)
+    dtrain.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=32,
+        help="prompts acceptance is measured on before and after (from --prompts or --pairs: "
+        "a tenth held out, at least 8, at most this; a file too small to spare them is measured "
+        "in-sample)",
+    )
     dtrain.add_argument("--k", type=int, default=3, help="draft tokens per step when measuring")
     dtrain.add_argument("--max-tokens", type=int, default=128)
     dtrain.add_argument(

@@ -9,7 +9,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_specdec.draft.bootstrap import read_pairs
+from grpo_specdec.draft.bootstrap import (
+    MIN_EVAL_DRAFT_TOKENS,
+    MIN_EVAL_PROMPTS,
+    DraftBootstrapConfig,
+    draft_token_warnings,
+    prompt_warnings,
+    read_pairs,
+    split_prompts,
+)
 from grpo_specdec.draft.capture import Sequence, capture_hidden
 from grpo_specdec.draft.head import load_head, new_head
 from grpo_specdec.draft.loss import acceptance, make_batch
@@ -53,6 +61,67 @@ def test_draft_train_raises_acceptance_measured_by_the_engine(tiny_target, tmp_p
         assert after > before + (0.5 if mode == "greedy" else 0.0), (mode, before, after)
     assert report["train"]["steps"] == 200 and report["train"]["sequences"] == 192
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_draft_train_on_a_short_prompts_file_reports_what_its_figures_rest_on(
+    tiny_target, questions, tmp_path
+):
+    """A tenth of 12 prompts is one: the figures would rest on one short answer. Measured
+    on all 12 (in-sample, and said so), the trained head's gain shows."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(questions[:12]) + "\n")
+    report_path, out = tmp_path / "report.json", tmp_path / "head"
+    proc = run_cli(
+        "draft", "train", "--target", tiny_target, "--prompts", str(prompts),
+        "--out", str(out), "--steps", "100", "--max-tokens", "48", "--lr", "3e-3",
+        "--batch-size", "16", "--eager", "--json", str(report_path),
+    )  # fmt: skip
+    report = json.loads(report_path.read_text())
+    assert report["eval"] == {"prompts": 12, "held_out": False}
+    assert "warning: acceptance is measured on 12 training prompts" in proc.stderr
+    for when in ("before", "after"):
+        for mode, figure in report[when].items():
+            assert figure["prompts"] == 12
+            assert figure["draft_tokens"] >= MIN_EVAL_DRAFT_TOKENS, (when, mode)
+            assert f"{figure['draft_tokens']} draft tokens" in proc.stderr
+    assert "at k=3 on 12 training prompts" in proc.stderr
+    greedy = [report[when]["greedy"]["mean_acceptance_length"] for when in ("before", "after")]
+    assert greedy[1] > greedy[0] + 0.5, greedy
+
+
+def _split_of_lines(tmp_path, lines: int, suffix: str = "txt"):
+    """The split of a prompts file (or, as jsonl, a pairs file) of `lines` distinct prompts."""
+    path = tmp_path / f"source.{suffix}"
+    if suffix == "jsonl":
+        rows = [json.dumps({"prompt": f"p{i}", "response": "r"}) for i in range(lines)]
+        source = {"pairs": str(path)}
+    else:
+        rows, source = [f"p{i}" for i in range(lines)], {"prompts": str(path)}
+    path.write_text("\n".join(rows) + "\n")
+    return split_prompts(DraftBootstrapConfig(target="unused", out="unused", **source))
+
+
+def test_evaluation_prompts_are_held_out_with_a_floor(tmp_path):
+    small = _split_of_lines(tmp_path, 12)
+    assert (len(small.eval_prompts), small.held_out) == (12, False)
+    assert len(prompt_warnings(small)) == 1
+    enough = _split_of_lines(tmp_path, 40)
+    assert (len(enough.eval_prompts), enough.held_out) == (MIN_EVAL_PROMPTS, True)
+    assert not set(enough.eval_prompts) & set(enough.train) and not prompt_warnings(enough)
+    many = _split_of_lines(tmp_path, 1000)
+    assert (len(many.eval_prompts), len(many.train)) == (32, 968)  # --eval-prompts caps it
+    pairs = _split_of_lines(tmp_path, 40, "jsonl")
+    trained_on = {prompt for prompt, _ in pairs.train}
+    assert len(pairs.eval_prompts) == MIN_EVAL_PROMPTS
+    assert not trained_on & set(pairs.eval_prompts)
+
+
+def test_figures_on_too_few_draft_tokens_are_flagged():
+    figure = {"prompts": 12, "draft_tokens": MIN_EVAL_DRAFT_TOKENS}
+    few = {**figure, "draft_tokens": 15}
+    assert draft_token_warnings("after", {"greedy": figure, "temperature_1": figure}) == []
+    (warning,) = draft_token_warnings("after", {"greedy": few, "temperature_1": figure})
+    assert warning.startswith("after: the greedy figure rests on 15 draft tokens")
 
 
 @pytest.fixture(scope="module")

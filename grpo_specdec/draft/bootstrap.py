@@ -3,6 +3,8 @@
 One vLLM engine serves the whole run: it measures acceptance of the starting head on
 held-out prompts, generates the training responses (speculation is lossless, so they are
 plain target samples), then receives the trained head by hot-swap and measures again.
+The report says how many prompts and draft tokens each figure rests on, and warns where
+they are too few to tell two heads apart.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from pydantic import Field, model_validator
@@ -26,6 +28,11 @@ from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, read_pro
 from grpo_specdec.tasks.arithmetic import make_problems
 from vllm_plugin.controller import FixedPolicy
 
+# Below these, a before/after figure can rest on next to nothing: a tenth of a 12-prompt
+# file once held out one prompt, whose greedy answer was 2 tokens.
+MIN_EVAL_PROMPTS = 8
+MIN_EVAL_DRAFT_TOKENS = 100  # a rate's standard error is then at most 0.05 (independent draws)
+
 
 class DraftBootstrapConfig(StrictModel):
     target: str
@@ -38,7 +45,12 @@ class DraftBootstrapConfig(StrictModel):
     init: str | None = None
     steps: int = Field(400, ge=1)
     num_prompts: int = Field(512, ge=1, description="training prompts drawn from --task")
-    eval_prompts: int = Field(32, ge=1)
+    eval_prompts: int = Field(
+        32,
+        ge=1,
+        description="prompts acceptance is measured on; from a file, a tenth is held out, "
+        f"at least {MIN_EVAL_PROMPTS} and at most this",
+    )
     k: int = Field(3, ge=1)
     draft_sampling: DraftSampling = Field(
         "greedy", description="how the draft proposes while acceptance is measured"
@@ -78,8 +90,25 @@ def read_pairs(path: str | Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def _prompt_split(cfg: DraftBootstrapConfig) -> tuple[list[str], list[str]]:
-    """(training prompts, held-out evaluation prompts)."""
+class Split(NamedTuple):
+    train: list  # prompts, or (prompt, response) pairs with --pairs
+    eval_prompts: list[str]
+    held_out: bool  # False: the evaluation prompts are training prompts too
+
+
+def _hold_out(items: list, cfg: DraftBootstrapConfig) -> tuple[list, list, bool]:
+    """A tenth of a file's items held out for evaluation, at least MIN_EVAL_PROMPTS and at
+    most cfg.eval_prompts; a file too small to spare them and keep as many for training
+    is measured on its own training items."""
+    items = list(items)
+    random.Random(cfg.seed).shuffle(items)
+    n_eval = min(cfg.eval_prompts, max(MIN_EVAL_PROMPTS, len(items) // 10))
+    if len(items) < 2 * n_eval:
+        return items, items[: cfg.eval_prompts], False
+    return items[n_eval:], items[:n_eval], True
+
+
+def split_prompts(cfg: DraftBootstrapConfig) -> Split:
     if cfg.task:
         train = [
             p.question
@@ -91,12 +120,11 @@ def _prompt_split(cfg: DraftBootstrapConfig) -> tuple[list[str], list[str]]:
             for lvl in (1, 2, 3)
             for p in make_problems(cfg.eval_prompts // 3 + 1, cfg.seed + 10_000, lvl)
         ]
-        return train[: cfg.num_prompts], held[: cfg.eval_prompts]
-    prompts = [p for p, _ in read_pairs(cfg.pairs)] if cfg.pairs else read_prompts_file(cfg.prompts)
-    prompts = list(prompts)
-    random.Random(cfg.seed).shuffle(prompts)
-    n_eval = min(cfg.eval_prompts, max(1, len(prompts) // 10))
-    return prompts[n_eval:], prompts[:n_eval]
+        return Split(train[: cfg.num_prompts], held[: cfg.eval_prompts], True)
+    if cfg.pairs:
+        train, held, held_out = _hold_out(read_pairs(cfg.pairs), cfg)
+        return Split(train, [prompt for prompt, _ in held], held_out)
+    return Split(*_hold_out(read_prompts_file(cfg.prompts), cfg))
 
 
 def _acceptance(engine: Engine, prompts: list[str], cfg: DraftBootstrapConfig) -> dict:
@@ -108,18 +136,52 @@ def _acceptance(engine: Engine, prompts: list[str], cfg: DraftBootstrapConfig) -
             SamplingSettings(temperature=temperature, max_tokens=cfg.max_tokens, seed=cfg.seed),
         )
         out[name] = {
-            k: res.spec[k]
-            for k in ("mean_acceptance_length", "acceptance_rate", "per_position_acceptance")
+            "prompts": len(prompts),
+            "generated_tokens": res.num_generated_tokens,
+            **{
+                k: res.spec[k]
+                for k in (
+                    "draft_tokens",
+                    "mean_acceptance_length",
+                    "acceptance_rate",
+                    "per_position_acceptance",
+                )
+            },
         }
     return out
 
 
-def _training_sequences(
-    cfg: DraftBootstrapConfig, engine: Engine, prompts: list[str]
-) -> list[Sequence]:
+def prompt_warnings(split: Split) -> list[str]:
+    """What makes the evaluation prompts weak evidence, whatever the heads draft."""
+    warnings = []
+    if not split.held_out:
+        warnings.append(
+            f"acceptance is measured on {len(split.eval_prompts)} training prompts, not "
+            f"held-out ones (holding out {MIN_EVAL_PROMPTS} needs {2 * MIN_EVAL_PROMPTS} "
+            "prompts or more)"
+        )
+    if len(split.eval_prompts) < MIN_EVAL_PROMPTS:
+        warnings.append(
+            f"acceptance is measured on {len(split.eval_prompts)} prompts, fewer than "
+            f"{MIN_EVAL_PROMPTS} (--eval-prompts, or a longer prompts file)"
+        )
+    return warnings
+
+
+def draft_token_warnings(when: str, acc: dict) -> list[str]:
+    """The figures of one measurement (`_acceptance`) that rest on too few draft tokens."""
+    return [
+        f"{when}: the {mode} figure rests on {m['draft_tokens']} draft tokens, fewer than "
+        f"{MIN_EVAL_DRAFT_TOKENS}: too few to compare heads (more prompts or --max-tokens)"
+        for mode, m in acc.items()
+        if m["draft_tokens"] < MIN_EVAL_DRAFT_TOKENS
+    ]
+
+
+def _training_sequences(cfg: DraftBootstrapConfig, engine: Engine, train: list) -> list[Sequence]:
     if cfg.pairs:
         seqs = []
-        for prompt, response in read_pairs(cfg.pairs):
+        for prompt, response in train:
             ids = engine.encode(prompt)
             seqs.append(
                 Sequence(
@@ -131,7 +193,7 @@ def _training_sequences(
         temperature=cfg.gen_temperature, max_tokens=cfg.max_tokens, seed=cfg.seed
     )
     engine.scheduler().set_policy(FixedPolicy(0))  # the starting head may be untrained
-    res = engine.generate(prompts, sampling, use_tqdm=True)
+    res = engine.generate(train, sampling, use_tqdm=True)
     return [
         Sequence(p + g[0].token_ids, len(p))
         for p, g in zip(res.prompt_token_ids, res.outputs, strict=True)
@@ -148,11 +210,22 @@ def _train(cfg: DraftBootstrapConfig, trainer: DraftTrainer, seqs: list[Sequence
     return stats
 
 
-def _log_acceptance(log, when: str, acc: dict, k: int) -> None:
+def _log_acceptance(log, when: str, acc: dict, k: int, held_out: bool) -> list[str]:
+    """Log one measurement and its warnings; returns the warnings."""
+    greedy, sampled = acc["greedy"], acc["temperature_1"]
     log(
-        f"{when}: mean acceptance length {acc['greedy']['mean_acceptance_length']:.2f} (greedy), "
-        f"{acc['temperature_1']['mean_acceptance_length']:.2f} (T=1) at k={k}"
+        f"{when}: mean acceptance length {greedy['mean_acceptance_length']:.2f} (greedy, "
+        f"{greedy['draft_tokens']} draft tokens), {sampled['mean_acceptance_length']:.2f} "
+        f"(T=1, {sampled['draft_tokens']} draft tokens) at k={k} on {greedy['prompts']} "
+        f"{'held-out' if held_out else 'training'} prompts"
     )
+    return _log_warnings(log, draft_token_warnings(when, acc))
+
+
+def _log_warnings(log, warnings: list[str]) -> list[str]:
+    for warning in warnings:
+        log(f"warning: {warning}")
+    return warnings
 
 
 def _measuring_engine(cfg: DraftBootstrapConfig, draft_dir: str) -> Engine:
@@ -178,7 +251,8 @@ def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     target = AutoModelForCausalLM.from_pretrained(cfg.target).eval()
-    train_prompts, eval_prompts = _prompt_split(cfg)
+    split = split_prompts(cfg)
+    warnings = _log_warnings(log, prompt_warnings(split))
     with tempfile.TemporaryDirectory() as tmp:
         head = (
             load_head(cfg.init, cfg.target, target)
@@ -190,7 +264,7 @@ def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
         engine = _measuring_engine(cfg, start_dir)
         try:
             t = time.perf_counter()
-            seqs = _training_sequences(cfg, engine, train_prompts)
+            seqs = _training_sequences(cfg, engine, split.train)
             seconds["generate_s"] = time.perf_counter() - t
             if cfg.draft_vocab and not cfg.init:
                 # The vocabulary comes from the data: rebuild the head and its engine.
@@ -203,8 +277,8 @@ def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
                 start_dir = str(head.save(Path(tmp) / "start_reduced"))
                 engine = _measuring_engine(cfg, start_dir)
             trainer = DraftTrainer(head, cfg.train)
-            before = _acceptance(engine, eval_prompts, cfg)
-            _log_acceptance(log, "before", before, cfg.k)
+            before = _acceptance(engine, split.eval_prompts, cfg)
+            warnings += _log_acceptance(log, "before", before, cfg.k, split.held_out)
             t = time.perf_counter()
             capture_hidden(target, seqs)
             seconds["capture_s"] = time.perf_counter() - t
@@ -215,8 +289,8 @@ def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
             swap = engine.swap_weights(
                 "draft", head.export_state_dict(head.export_dtype()), 1, head.swap_metadata()
             )
-            after = _acceptance(engine, eval_prompts, cfg)
-            _log_acceptance(log, "after", after, cfg.k)
+            after = _acceptance(engine, split.eval_prompts, cfg)
+            warnings += _log_acceptance(log, "after", after, cfg.k, split.held_out)
         finally:
             engine.shutdown()
     seconds["total_s"] = time.perf_counter() - t0
@@ -225,8 +299,10 @@ def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
         "architecture": head.ARCHITECTURE,
         "draft_vocab_size": head.config.get("draft_vocab_size", head.vocab_size),
         "k": cfg.k,
+        "eval": {"prompts": len(split.eval_prompts), "held_out": split.held_out},
         "before": before,
         "after": after,
+        "warnings": warnings,
         "train": {
             "last_step": {k: v for k, v in stats.items() if k != "skipped"},
             "steps": trainer.steps,
