@@ -25,7 +25,7 @@ from grpo_specdec.modelcheck import (
     draft_method,
     resolve_max_model_len,
 )
-from grpo_specdec.swap_files import SwapFiles
+from grpo_specdec.swap_files import swap_file
 from grpo_specdec.vllm_compat import stop_engine
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
@@ -282,7 +282,6 @@ class Engine:
         if cfg.engine_process == "in_process":
             _LIVE_IN_PROCESS.add(self)
         self.tokenizer = self.llm.get_tokenizer()
-        self._swap_files = SwapFiles()
         self._device = self.llm.llm_engine.vllm_config.device_config.device_type
         self._warned_seed = False
 
@@ -374,26 +373,24 @@ class Engine:
     ) -> dict:
         """Load new `role` ("draft" or "policy") weights into the running engine.
 
-        The weights go through a safetensors file in shared memory. The file of the last
-        good swap is kept until the next one succeeds: the engine reloads it if a swap
-        fails halfway. A rejected swap raises and leaves the engine on its old weights.
-        `metadata` declares config facts the weights were built for (e.g. vocab_size);
-        the engine rejects them if its model differs.
+        The weights go through a safetensors file in the private swap folder; the engine
+        keeps the last good one open, to reload it if a later swap fails halfway. A
+        rejected swap raises and leaves the engine on its old weights. `metadata` declares
+        config facts the weights were built for (e.g. vocab_size); the engine rejects them
+        if its model differs.
         """
         start = time.perf_counter()
-        path = self._swap_files.write(role, weights, version, metadata)
-        written = time.perf_counter()
-        try:
-            report = self.llm.collective_rpc("grpo_swap_weights", args=(role, str(path), version))[
-                0
-            ]
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        self._swap_files.loaded(role, path)
-        # Cached prefixes hold KV computed with the old weights.
-        self.llm.reset_prefix_cache()
-        return {**report, "write_s": written - start, "total_s": time.perf_counter() - start}
+        with swap_file(role, weights, version, metadata) as path:
+            written = time.perf_counter()
+            report = self.llm.collective_rpc("grpo_swap_weights", args=(role, str(path), version))
+        # Cached prefixes hold KV computed with the old weights, and so may requests still in
+        # the engine (e.g. of an interrupted generate): those are preempted and recomputed.
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError(
+                f"{role} version {version} is loaded, but the engine could not reset its prefix "
+                "cache, which holds KV of the old weights"
+            )
+        return {**report[0], "write_s": written - start, "total_s": time.perf_counter() - start}
 
     def scheduler(self):
         """The engine-core scheduler object (in-process engines only)."""
@@ -427,8 +424,6 @@ class Engine:
         self.llm.collective_rpc("grpo_declare_weight_versions", args=(versions,))
 
     def shutdown(self) -> None:
-        if hasattr(self, "_swap_files"):
-            self._swap_files.remove_all()
         engine = getattr(self, "llm", None)
         if engine is None:
             return

@@ -10,13 +10,12 @@ import urllib.request
 
 import torch
 
-from grpo_specdec.swap_files import SwapFiles
+from grpo_specdec.swap_files import swap_file
 
 
 class ServedWeights:
     def __init__(self, url: str, api_key: str, timeout_s: float = 600.0):
         self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
-        self._files = SwapFiles()
 
     def _call(self, method: str, body: dict | None = None) -> dict:
         request = urllib.request.Request(
@@ -42,20 +41,16 @@ class ServedWeights:
     ) -> dict:
         """Load `role` ("policy" or "draft") weights into the served engine, as
         `Engine.swap_weights` does in-process; a rejected swap raises and the server keeps
-        serving its old weights. (After a timeout or a lost connection the file stays:
-        the server may still be loading it.)"""
-        path = self._files.write(role, weights, version, metadata)
-        try:
-            report = self._call("POST", {"role": role, "path": str(path), "version": version})
-        except RuntimeError:  # refused: the server does not hold on to the file
-            path.unlink(missing_ok=True)
-            raise
-        self._files.loaded(role, path)
-        return report
+        serving its old weights. After a timeout or a lost connection the server may
+        have loaded them or not: `versions()` says which it serves."""
+        with swap_file(role, weights, version, metadata) as path:
+            try:
+                return self._call("POST", {"role": role, "path": str(path), "version": version})
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+                raise RuntimeError(
+                    f"no answer from {self.url} to the {role} version {version} swap ({err}); "
+                    "the server may or may not load it: versions() says which it serves"
+                ) from err
 
     def versions(self) -> dict[str, int]:
         return self._call("GET")
-
-    def close(self) -> None:
-        """Remove the kept weight files (the server then cannot fall back on them)."""
-        self._files.remove_all()

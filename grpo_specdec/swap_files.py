@@ -1,47 +1,33 @@
-"""Weights handed to an engine as safetensors files in shared memory, per role.
-
-The file of a role's last good swap is kept until the next swap of that role succeeds:
-the engine reloads it if a later swap fails halfway."""
+"""Weights handed to an engine as a safetensors file in the private swap folder
+(`vllm_plugin.swap_folder`), the one place the engine loads swapped weights from."""
 
 from __future__ import annotations
 
-import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-
-def swap_dir() -> Path:
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    path = base / "grpo-specdec"
-    path.mkdir(exist_ok=True)
-    return path
+from vllm_plugin.swap_folder import swap_folder
 
 
-class SwapFiles:
-    def __init__(self):
-        self._last_good: dict[str, Path] = {}
+@contextmanager
+def swap_file(
+    role: str, weights: dict[str, torch.Tensor], version: int, metadata: dict | None
+) -> Iterator[Path]:
+    """`weights` as a file for the engine, `metadata` in its header; removed when the block
+    ends, however it ends. That is safe even while the engine may still be loading it (a
+    timed-out call): the engine opens the file before reading it and keeps it open while
+    it may reload it, and one that has not opened it yet finds no file and refuses the
+    swap, keeping its old weights."""
+    from safetensors.torch import save_file
 
-    def write(
-        self, role: str, weights: dict[str, torch.Tensor], version: int, metadata: dict | None
-    ) -> Path:
-        """`weights` as a file for the engine; `metadata` goes in its header."""
-        from safetensors.torch import save_file
-
-        path = swap_dir() / f"{role}-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
-        tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+    path = swap_folder() / f"{role}-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
+    tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+    try:
         save_file(tensors, str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
-        return path
-
-    def loaded(self, role: str, path: Path) -> None:
-        """The engine now serves `path`: it becomes the file to fall back on."""
-        previous = self._last_good.get(role)
-        self._last_good[role] = path
-        if previous is not None:
-            previous.unlink(missing_ok=True)
-
-    def remove_all(self) -> None:
-        for path in self._last_good.values():
-            path.unlink(missing_ok=True)
-        self._last_good.clear()
+        yield path
+    finally:
+        path.unlink(missing_ok=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -185,6 +188,65 @@ def test_policy_swap_changes_outputs_and_swaps_back(swap_engine, hf_target, ques
     swap_engine.swap_weights("policy", original, version=2)
     assert [g[0].token_ids for g in swap_engine.generate(questions, GREEDY).outputs] == reference
     assert swap_engine.weight_versions()["policy"] == 2
+
+
+def test_a_swap_leaves_no_kv_of_the_old_weights_to_requests_left_in_the_engine(
+    swap_engine, hf_target, questions
+):
+    from vllm import SamplingParams
+
+    engine = swap_engine
+    original = {k: v.clone() for k, v in hf_target.state_dict().items() if k != "lm_head.weight"}
+    g = torch.Generator().manual_seed(2)
+    noisy = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    # Over two KV blocks (128 tokens each on CPU): with EAGLE, vLLM reuses all cached blocks
+    # of a prompt but the last.
+    prompt = engine.tokenizer.encode(" ".join(questions * 3))[:300]
+    engine.swap_weights("policy", noisy, version=20)
+    expected = engine.generate([prompt], GREEDY).outputs[0][0].token_ids  # nothing else in flight
+    engine.swap_weights("policy", original, version=21)
+    # A request left in the engine (as by an interrupted generate) holds the prompt's KV.
+    engine.llm.llm_engine.add_request(
+        "left-over", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=100)
+    )
+    engine.llm.llm_engine.step()
+    engine.swap_weights("policy", noisy, version=22)
+    engine.llm.llm_engine.abort_request(["left-over"])
+    assert engine.generate([prompt], GREEDY).outputs[0][0].token_ids == expected
+    engine.swap_weights("policy", original, version=23)
+
+
+def test_only_files_in_the_swap_folder_are_loaded(swap_engine, tiny_target):
+    from vllm_plugin.swap_folder import swap_folder
+
+    version = swap_engine.weight_versions()["policy"]
+    served_file = Path(tiny_target) / "model.safetensors"
+    link = swap_folder() / "policy-link.safetensors"
+    link.symlink_to(served_file)
+    try:
+        for path in (served_file, link, swap_folder() / ".." / served_file.name):
+            with pytest.raises(
+                Exception, match=rf"refused weight file {re.escape(str(path))}: .*swap folder"
+            ):
+                swap_engine.llm.collective_rpc(
+                    "grpo_swap_weights", args=("policy", str(path), version + 1)
+                )
+    finally:
+        link.unlink()
+    assert swap_engine.weight_versions()["policy"] == version
+
+
+def test_the_last_good_swap_file_is_gone_yet_still_restores(swap_engine, trained_head, questions):
+    from vllm_plugin.swap_folder import swap_folder
+
+    swap_engine.swap_weights("draft", trained_head.export_state_dict(torch.float32), version=30)
+    assert not list(swap_folder().glob("draft-v30-*"))  # the engine holds it open
+    reference = swap_engine.generate(questions, GREEDY).spec
+    perturbed = {k: v + 0.5 for k, v in trained_head.export_state_dict(torch.float32).items()}
+    swap_engine.llm.collective_rpc(_fail_halfway)
+    with pytest.raises(Exception, match="restored version 30"):
+        swap_engine.swap_weights("draft", perturbed, version=31)
+    assert swap_engine.generate(questions, GREEDY).spec == reference
 
 
 def test_swap_with_engine_in_its_own_process(tiny_target, random_draft, trained_head, questions):

@@ -2,20 +2,23 @@
 
 Used as `LLM(..., worker_extension_cls="vllm_plugin.weight_swap.WeightSwapExtension")`
 and driven through `llm.collective_rpc("grpo_swap_weights", ...)`. Weights travel as a
-safetensors file (put in shared memory by the caller), so nothing is pickled tensor by
-tensor and the same call works with the engine in-process or in its own process.
+safetensors file that the caller put in the private swap folder (`swap_folder`; files
+anywhere else are refused), so nothing is pickled tensor by tensor and the same call
+works with the engine in-process or in its own process. The worker opens the file first
+and keeps it open while it is the last good one: the caller may remove it at any time.
 
 Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` ...
 `finalize_layerwise_reload`), the same lifecycle its weight-transfer engines use; it
 re-runs each layer's post-load processing, which matters on CPU where linear weights
-are repacked after loading. If loading fails partway, the last good weights (a file
-kept by the caller) are loaded again, so the engine never serves a mix; if that fails
+are repacked after loading. If loading fails partway, the last good weights (the file
+kept open, or the checkpoint) are loaded again, so the engine never serves a mix; if that fails
 too, the role is marked mixed and the engine refuses to generate until a load of that
 role succeeds.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from vllm_plugin.manifest import (
     validate_metadata,
     validate_weights,
 )
+from vllm_plugin.swap_folder import open_swap_file
 
 ROLES = ("policy", "draft")
 
@@ -42,11 +46,14 @@ class WeightSwapExtension:
     def _grpo_state(self) -> dict:
         state = getattr(self, "_grpo_swap_state", None)
         if state is None:
+            # last_good: role -> files to reload it from (the checkpoint's, or an open swap file);
+            # held: role -> descriptor of the swap file of its last good weights;
             # mixed: role -> why its weights may be a mix (a failed load, then a failed restore)
             state = {
                 "versions": {r: 0 for r in ROLES},
                 "manifests": {},
                 "last_good": {},
+                "held": {},
                 "mixed": {},
             }
             self._grpo_swap_state = state
@@ -87,25 +94,38 @@ class WeightSwapExtension:
                 finalize_layerwise_reload(model, model_config)
 
     def grpo_swap_weights(self, role: str, path: str, version: int) -> dict:
-        """Validate then load the safetensors file at `path` as the `role` model, version `version`."""
+        """Validate then load the safetensors file at `path` (in the swap folder) as the
+        `role` model, version `version`."""
         t0 = time.perf_counter()
         manifest = self._grpo_manifest(role)
         what = f"{role} (version {version}, {Path(path).name})"
-        with safe_open(path, "pt") as f:
-            metadata = f.metadata() or {}
-        validate_metadata(metadata, self._grpo_target(role)[1].hf_config, what)
-        weights = load_file(path)
-        validate_weights(weights, manifest, what)
-        t1 = time.perf_counter()
+        fd = open_swap_file(path)
+        opened = f"/proc/self/fd/{fd}"
         state = self._grpo_state()
         try:
-            self._grpo_load(role, weights)
-        except Exception as err:
-            failure = f"loading {role} version {version} failed ({type(err).__name__}: {err})"
-            self._grpo_restore(role, failure)
-            raise WeightSwapError(f"{failure}; restored version {state['versions'][role]}") from err
+            with safe_open(opened, "pt") as f:
+                metadata = f.metadata() or {}
+            validate_metadata(metadata, self._grpo_target(role)[1].hf_config, what)
+            weights = load_file(opened)
+            validate_weights(weights, manifest, what)
+            t1 = time.perf_counter()
+            try:
+                self._grpo_load(role, weights)
+            except Exception as err:
+                failure = f"loading {role} version {version} failed ({type(err).__name__}: {err})"
+                self._grpo_restore(role, failure)
+                raise WeightSwapError(
+                    f"{failure}; restored version {state['versions'][role]}"
+                ) from err
+        except BaseException:
+            os.close(fd)
+            raise
+        previous = state["held"].pop(role, None)
+        if previous is not None:
+            os.close(previous)
+        state["held"][role] = fd
         state["versions"][role] = version
-        state["last_good"][role] = [path]
+        state["last_good"][role] = [opened]
         state["mixed"].pop(role, None)
         drafter = getattr(self.model_runner, "_grpo_group", None)
         if role == "policy" and drafter is not None:

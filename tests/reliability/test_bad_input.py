@@ -230,3 +230,69 @@ def test_learner_state_with_pickled_code_is_refused(learners, tmp_path, role):
     assert not marker.exists()
     torch.load(file, weights_only=False)  # the payload is live: an unchecked load runs it
     assert marker.read_text() == "code ran"
+
+
+# ---- the weight swap folder ------------------------------------------------------------
+
+
+@pytest.fixture
+def private_base(tmp_path, monkeypatch):
+    """Swap folders made under tmp_path instead of /dev/shm (where real swaps go)."""
+    from vllm_plugin import swap_folder
+
+    monkeypatch.setattr(swap_folder, "SHARED_MEMORY", tmp_path)
+    return tmp_path
+
+
+def test_swap_folder_is_made_private_and_refused_when_not(private_base, monkeypatch):
+    import os
+    import stat
+
+    from vllm_plugin.manifest import WeightSwapError
+    from vllm_plugin.swap_folder import swap_folder
+
+    folder = swap_folder()
+    assert folder == private_base / f"grpo-specdec-{os.getuid()}"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+    folder.chmod(0o777)  # opened to others (or made so by whoever made it first)
+    with pytest.raises(WeightSwapError, match=f"swap folder {folder} has mode 0777, not 0700"):
+        swap_folder()
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777  # refused, not repaired
+    folder.rmdir()
+
+    elsewhere = private_base / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    folder.symlink_to(elsewhere)
+    with pytest.raises(WeightSwapError, match=f"swap folder {folder} is not a directory"):
+        swap_folder()
+
+    monkeypatch.setattr(os, "getuid", lambda: 4242)  # another user, whose folder name is taken
+    (private_base / "grpo-specdec-4242").mkdir(mode=0o700)
+    with pytest.raises(
+        WeightSwapError, match=r"is owned by uid \d+, not by this user \(uid 4242\)"
+    ):
+        swap_folder()
+
+
+def test_swap_files_outside_the_swap_folder_are_refused(private_base, tmp_path):
+    import os
+
+    from vllm_plugin.manifest import WeightSwapError
+    from vllm_plugin.swap_folder import open_swap_file, swap_folder
+
+    outside = tmp_path / "secret.safetensors"
+    outside.write_bytes(b"not for the swap route")
+    inside = swap_folder() / "policy-v1.safetensors"
+    inside.write_bytes(b"weights")
+    link = swap_folder() / "policy-v2.safetensors"
+    link.symlink_to(outside)
+    for path in (outside, link, swap_folder() / ".." / outside.name, tmp_path / "missing"):
+        with pytest.raises(WeightSwapError, match=f"refused weight file {path}: .* swap folder"):
+            open_swap_file(str(path))
+    with pytest.raises(WeightSwapError, match="does not exist"):
+        open_swap_file(str(swap_folder() / "policy-v3.safetensors"))
+    fd = open_swap_file(str(inside))
+    inside.unlink()  # its writer gave up; what was opened stays readable
+    assert os.read(fd, 100) == b"weights"
+    os.close(fd)
