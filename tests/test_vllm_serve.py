@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import ROOT
 from tests.test_readme import section_commands
 
 pytestmark = pytest.mark.slow
@@ -86,11 +87,33 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_target, tiny_draft, job_profile, tmp_path_factory):
+def fail_loads(tmp_path_factory) -> Path:
+    """Write N here and the served engine's next N weight loads fail."""
+    return tmp_path_factory.mktemp("faults") / "fail-loads"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_draft, job_profile, fail_loads, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {"GRPO_SPECDEC_CONTROLLER": json.dumps({"profile": job_profile}), **PLUGINS}
+    env = {
+        "GRPO_SPECDEC_CONTROLLER": json.dumps({"profile": job_profile}),
+        **PLUGINS,
+        "GRPO_TEST_FAIL_LOADS": str(fail_loads),
+        "PYTHONPATH": str(ROOT),
+    }
+    # The README's command, with the plugin's extension subclassed by one whose loads a
+    # test can make fail (the later option wins).
     command = readme_command(
-        "vllm serve", tiny_target, tiny_draft, _free_port(), "--api-key", API_KEY
+        "vllm serve",
+        tiny_target,
+        tiny_draft,
+        _free_port(),
+        "--api-key",
+        API_KEY,
+        "--worker-extension-cls",
+        "tests.faulty_swap_extension.FaultyLoadsExtension",
+        "--max-model-len",
+        "1024",
     )
     proc, url = start_server(command, env, log)
     yield url
@@ -191,7 +214,156 @@ def test_weights_swap_into_the_served_engine_only_with_the_token(server, tiny_ta
 
     weights.swap("policy", original, 3)
     assert _greedy(server, tiny_target, questions[:4]) == before
-    weights.close()
+
+
+def _post_swap(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"{url}/v1/grpo/weights",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _noisy(weights: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+
+
+def test_the_swap_route_loads_only_files_in_the_private_swap_folder(server, tiny_target):
+    from grpo_specdec.served import ServedWeights
+    from vllm_plugin.swap_folder import swap_folder
+
+    served_file = Path(tiny_target) / "model.safetensors"
+    link = swap_folder() / "policy-v31-link.safetensors"
+    link.symlink_to(served_file)
+    try:
+        for path in (served_file, Path("/nonexistent/x.safetensors"), link):
+            code, answer = _post_swap(server, {"role": "policy", "path": str(path), "version": 31})
+            assert code == 400, answer
+            assert f"refused weight file {path}" in answer["error"], answer
+            assert f"swap folder {swap_folder()}" in answer["error"], answer
+    finally:
+        link.unlink()
+    assert ServedWeights(server, API_KEY).versions()["policy"] != 31
+
+
+def test_a_timed_out_swap_leaves_no_file_and_a_whole_engine(server, tiny_target, questions):
+    from safetensors.torch import load_file
+
+    from grpo_specdec.served import ServedWeights
+    from vllm_plugin.swap_folder import swap_folder
+
+    original = load_file(Path(tiny_target) / "model.safetensors")
+    weights = ServedWeights(server, API_KEY)
+    version = weights.versions()["policy"]
+    before = _greedy(server, tiny_target, questions[:4])
+    with pytest.raises(RuntimeError, match="no answer from .* versions\\(\\) says which"):
+        ServedWeights(server, API_KEY, timeout_s=0.001).swap("policy", _noisy(original, 1), 50)
+    assert not list(swap_folder().glob("policy-v50-*"))  # removed, whether loaded or not
+    # Loaded or refused (no file), never a mix: a swap after it succeeds, completions answer.
+    assert weights.versions()["policy"] in (version, 50)
+    weights.swap("policy", original, 51)
+    assert _greedy(server, tiny_target, questions[:4]) == before
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics") as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+def test_requests_in_flight_during_a_swap_use_no_kv_of_the_old_weights(
+    server, tiny_target, questions
+):
+    from openai import OpenAI
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from grpo_specdec.served import ServedWeights
+
+    client = OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+    weights = ServedWeights(server, API_KEY)
+    original = load_file(Path(tiny_target) / "model.safetensors")
+    noisy = _noisy(original, 2)
+    # Over two KV blocks (128 tokens each on CPU): with EAGLE, vLLM reuses all cached blocks
+    # of a prompt but the last, so a request after the group's reuses one.
+    prompt = AutoTokenizer.from_pretrained(tiny_target).encode(" ".join(questions * 3))[:300]
+    assert len(prompt) == 300
+
+    def greedy() -> str:
+        return (
+            client.completions.create(
+                model=tiny_target, prompt=prompt, temperature=0.0, max_tokens=16
+            )
+            .choices[0]
+            .text
+        )
+
+    weights.swap("policy", noisy, 60)
+    expected = greedy()  # the new weights, nothing in flight
+    weights.swap("policy", original, 61)
+    group = client.completions.create(
+        model=tiny_target,
+        prompt=prompt,
+        n=4,
+        temperature=1.0,
+        max_tokens=600,  # still running long after the swap
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+        chunks = iter(group)
+        next(chunks)  # the group is running and holds the prompt's KV, of the original weights
+        preempted = _metric(server, "vllm:num_preemptions_total")
+        weights.swap("policy", noisy, 62)
+        assert greedy() == expected
+        # The group was kept, not aborted: preempted, it recomputes its KV with the new weights.
+        assert _metric(server, "vllm:num_preemptions_total") >= preempted + 4
+        assert not any(next(chunks).choices[0].finish_reason for _ in range(40))
+    finally:
+        group.close()
+    weights.swap("policy", original, 63)
+
+
+def test_a_served_engine_with_mixed_weights_refuses_completions_until_that_role_swaps_whole(
+    server, tiny_target, tiny_draft, questions, fail_loads
+):
+    import openai
+    from safetensors.torch import load_file
+
+    from grpo_specdec.served import ServedWeights
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+    weights = ServedWeights(server, API_KEY)
+    original = load_file(Path(tiny_target) / "model.safetensors")
+    before = _greedy(server, tiny_target, questions[:4])
+    fail_loads.write_text("2")  # the swap's load, then the restore's
+    with pytest.raises(RuntimeError, match=r"\(500\).*restoring version \d+ failed too"):
+        weights.swap("policy", _noisy(original, 3), 70)
+    refusal = "refusing to generate: the policy weights may be a mix"
+    calls = (
+        lambda: client.completions.create(model=tiny_target, prompt="1+1=", max_tokens=4),
+        lambda: client.chat.completions.create(
+            model=tiny_target, messages=[{"role": "user", "content": "1+1="}], max_tokens=4
+        ),
+    )
+    for call in calls:
+        with pytest.raises(openai.APIStatusError, match=refusal) as refused:
+            call()
+        assert refused.value.status_code == 503
+    # A draft that loads whole does not make the policy whole.
+    weights.swap("draft", load_file(Path(tiny_draft) / "model.safetensors"), 71)
+    with pytest.raises(openai.APIStatusError, match=refusal):
+        calls[0]()
+    assert weights.versions()["draft"] == 71  # GETs still answer
+    weights.swap("policy", original, 72)
+    assert _greedy(server, tiny_target, questions[:4]) == before
 
 
 def test_the_swap_route_refuses_to_start_without_an_api_key(monkeypatch):

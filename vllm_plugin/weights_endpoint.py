@@ -6,16 +6,23 @@ VLLM_API_KEY): vLLM checks the key on /v1 routes, so every call needs the token,
 server exposes weight loading to whoever can reach its port. vLLM's own weight-update
 routes (VLLM_SERVER_DEV_MODE) are outside that check and NCCL-only.
 
-The body names a safetensors file on the server's machine, written by a trainer next to
-it (`grpo_specdec.served.ServedWeights`): {"role": "policy" | "draft", "path", "version"}.
-Validation and loading are the weight-swap worker extension's (`grpo_swap_weights`): a
-rejected swap (400) leaves the engine serving its old weights; one whose load failed and
-whose restore failed too (500, "mixed") leaves an engine that refuses to generate until a
-swap of that role succeeds.
+The body names a safetensors file that a trainer on the server's machine, run by the
+server's user, wrote to the private swap folder (`grpo_specdec.served.ServedWeights`):
+{"role": "policy" | "draft", "path", "version"}. Validation and loading are the
+weight-swap worker extension's (`grpo_swap_weights`), which loads nothing from outside
+that folder: a rejected swap (400) leaves the engine serving its old weights.
+
+Generation is paused (vLLM's `pause_generation`, requests in flight kept) while the
+weights change; then the prefix cache is reset with the running requests preempted, so
+that no request, in flight or new, computes with KV of the old weights. A swap whose load
+failed and whose restore failed too (500, "mixed"), or whose cache reset failed (500),
+leaves a server that answers 503 to every other POST (completions, chat, ...) until a
+whole swap of that role succeeds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Literal
 
@@ -23,6 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+ROUTE = "/v1/grpo/weights"
 router = APIRouter()
 
 
@@ -32,9 +40,38 @@ class SwapRequest(BaseModel):
     version: int = Field(ge=0)
 
 
-@router.post("/v1/grpo/weights")
+def _refusal(state) -> str | None:
+    """Why the engine must not generate now, or None."""
+    reasons = [
+        f"the {role} weights may be a mix ({why}); a successful {role} swap clears this"
+        for role, why in getattr(state, "grpo_mixed", {}).items()
+    ]
+    if getattr(state, "grpo_stale_cache", None):
+        reasons.append(state.grpo_stale_cache)
+    return "; ".join(reasons) or None
+
+
+async def _mixed_roles(engine) -> dict[str, str]:
+    return {
+        role: why
+        for worker in await engine.collective_rpc("grpo_mixed_weights")
+        for role, why in worker.items()
+    }
+
+
+@router.post(ROUTE)
 async def swap_weights(body: SwapRequest, request: Request):
-    engine = request.app.state.grpo_engine
+    state = request.app.state
+    engine = state.grpo_engine
+    async with state.grpo_swap_lock:
+        await engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            return await _swap_while_paused(engine, state, body)
+        finally:
+            await engine.resume_generation()
+
+
+async def _swap_while_paused(engine, state, body: SwapRequest):
     try:
         report = await engine.collective_rpc(
             "grpo_swap_weights", args=(body.role, body.path, body.version)
@@ -42,18 +79,49 @@ async def swap_weights(body: SwapRequest, request: Request):
     except Exception as err:  # the worker's reason (bad names, shapes, values, a failed load)
         # The engine core hands back the worker's message, not its type: a load that failed
         # and whose restore failed too says its weights "may be a mix" (MixedWeightsError).
-        mixed = "may be a mix" in str(err)
+        state.grpo_mixed = await _mixed_roles(engine)
+        mixed = body.role in state.grpo_mixed
         return JSONResponse(
             {"error": f"{type(err).__name__}: {err}", "mixed": mixed},
             status_code=500 if mixed else 400,
         )
-    await engine.reset_prefix_cache()  # cached prefixes hold KV of the old weights
+    state.grpo_mixed = await _mixed_roles(engine)
+    try:
+        reset = await engine.reset_prefix_cache(reset_running_requests=True)
+        why = "vLLM refused"
+    except Exception as err:
+        reset, why = False, f"{type(err).__name__}: {err}"
+    if not reset:
+        state.grpo_stale_cache = (
+            f"{body.role} version {body.version} is loaded, but resetting the prefix cache "
+            f"failed ({why}), so it may hold KV of the old weights; a successful swap clears this"
+        )
+        return JSONResponse({"error": state.grpo_stale_cache, "mixed": False}, status_code=500)
+    state.grpo_stale_cache = None
     return report[0]
 
 
-@router.get("/v1/grpo/weights")
+@router.get(ROUTE)
 async def weight_versions(request: Request):
     return (await request.app.state.grpo_engine.collective_rpc("grpo_weight_versions"))[0]
+
+
+class RefuseWhileMixed:
+    """ASGI middleware: 503 to every POST but the swap route while the engine must not
+    generate. It reads the state the swap route keeps, so requests cost no engine call."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] != ROUTE:
+            why = _refusal(scope["app"].state)
+            if why:
+                refusal = {"message": f"refusing to generate: {why}", "type": "Unavailable"}
+                response = JSONResponse({"error": {**refusal, "code": 503}}, status_code=503)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class WeightsEndpoint:
@@ -62,6 +130,7 @@ class WeightsEndpoint:
 
     def attach_router(self, app) -> None:
         app.include_router(router)
+        app.add_middleware(RefuseWhileMixed)
 
     async def init_state(self, engine_client, state, args) -> None:
         if not any(args.api_key or [os.environ.get("VLLM_API_KEY")]):
@@ -72,3 +141,6 @@ class WeightsEndpoint:
         if engine_client is None:
             raise RuntimeError("the grpo_specdec_weights endpoint needs an engine")
         state.grpo_engine = engine_client
+        state.grpo_swap_lock = asyncio.Lock()
+        state.grpo_mixed = {}
+        state.grpo_stale_cache = None
