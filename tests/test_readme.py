@@ -1,7 +1,9 @@
-"""The README's command blocks run as written, so the README cannot drift from the code.
+"""The command blocks of the README and docs/USAGE.md run as written, so they cannot drift
+from the code (the README's sections read here are run by tests/test_vllm_serve.py and
+tests/test_ray_cluster.py).
 
-The "Models and generation" section's first block runs verbatim on the tiny models; its
-SmolLM2 block runs with the tiny target in place of SmolLM2, as the section says.
+docs/USAGE.md's "Models and generation" section: its first block runs verbatim on the tiny
+models; its SmolLM2 block runs with the tiny target in place of SmolLM2, as the section says.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ SMOLLM2 = "$(grpo-specdec models prepare smollm2)"
 TINY_TARGET = "runs/tiny/target"
 
 
-def section_commands(title: str) -> list[list[str]]:
-    """Each ```bash block of README section `title` as its list of commands (a trailing
+def section_commands(title: str, doc: str = "README.md") -> list[list[str]]:
+    """Each ```bash block of section `title` of `doc` as its list of commands (a trailing
     backslash continues a line; comments are dropped)."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / doc).read_text()
     match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert match, f"README has no section '## {title}'"
+    assert match, f"{doc} has no section '## {title}'"
     blocks = re.findall(r"```bash\n(.*?)```", match.group(1), re.S)
-    assert blocks, f"README section '{title}' shows no bash block"
+    assert blocks, f"{doc} section '{title}' shows no bash block"
     commands = []
     for block in blocks:
         joined = block.replace("\\\n", " ")
@@ -41,16 +43,16 @@ def run(command: str, cwd: Path) -> None:
     proc = subprocess.run(
         ["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
     )
-    assert proc.returncode == 0, f"README command failed: {command}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"documented command failed: {command}\n{proc.stderr[-3000:]}"
 
 
 @pytest.mark.slow
 def test_models_and_generation_commands_run_as_written(tmp_path):
-    tiny_block, smollm2_block = section_commands("Models and generation")
+    tiny_block, smollm2_block = section_commands("Models and generation", "docs/USAGE.md")
     for command in tiny_block:
         run(command, tmp_path)
-    for name in ("out.json", "out_spec.json", "out_ca.json", "profile.json"):
-        assert (tmp_path / name).is_file(), f"README commands wrote no {name}"
+    for name in ("out.json", "out_spec.json", "out_sampled.json", "out_ca.json", "profile.json"):
+        assert (tmp_path / name).is_file(), f"documented commands wrote no {name}"
     assert any(SMOLLM2 in c for c in smollm2_block)
     for command in smollm2_block:
         run(command.replace(SMOLLM2, TINY_TARGET), tmp_path)
