@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -21,10 +20,13 @@ def current_rss_mb() -> float:
 
 class RssPeak:
     """Peak resident memory of this process while the block runs, sampled from the
-    current RSS (the lifetime peak, ru_maxrss, may have been set by an earlier test)."""
+    current RSS by a thread (the lifetime peak, ru_maxrss, may have been set by an earlier
+    test). A sample count, not a time window, tells when the thread has looked."""
 
     def __init__(self, every_s: float = 0.01):
         self.every_s = every_s
+        self.samples = 0
+        self._sampled = threading.Condition()
         self._done = threading.Event()
 
     def __enter__(self) -> RssPeak:
@@ -35,8 +37,23 @@ class RssPeak:
 
     def _sample(self) -> None:
         while not self._done.is_set():
-            self.peak = max(self.peak, current_rss_mb())
-            time.sleep(self.every_s)
+            rss = current_rss_mb()
+            with self._sampled:
+                self.peak = max(self.peak, rss)
+                self.samples += 1
+                self._sampled.notify_all()
+            self._done.wait(self.every_s)
+
+    def wait_for_sample(self) -> None:
+        """Return once the thread has read the RSS after this call began, however long the
+        thread waits to be scheduled (the next sample may have been read before the call:
+        wait for the one after it)."""
+        with self._sampled:
+            wanted = self.samples + 2
+            while self.samples < wanted:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the RSS sampling thread has stopped")
+                self._sampled.wait(timeout=1.0)  # only to notice a dead thread
 
     def __exit__(self, *exc) -> None:
         self._done.set()
@@ -53,7 +70,7 @@ def test_rss_peak_sees_growth_below_an_earlier_peak():
     del earlier
     with RssPeak() as rss:
         block = bytearray(150 << 20)
-        time.sleep(0.05)
+        rss.wait_for_sample()
         del block
     assert rss.growth_mb > 100
 
