@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +44,21 @@ def _hf_greedy(learner, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def _kill_before(job, iteration: int, actor, no_restart: bool) -> None:
+    """`actor(job)` dies as `iteration` starts; with no_restart=False Ray restarts it."""
+    import ray
+
+    step = job.step
+
+    def kill_then_step():
+        if job.iteration + 1 == iteration:
+            job.step = step
+            ray.kill(actor(job), no_restart=no_restart)
+        return step()
+
+    job.step = kill_then_step
+
+
 def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
     tiny_target, tiny_draft, job_profile, tmp_path, questions
 ):
@@ -64,9 +80,12 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         job.run()
         records = job_records(out)
         assert [r["iteration"] for r in records] == [1, 2]
-        # Group drafts: counted per source, and the engine keeps the rollouts it made.
+        # Group drafts: both sources drafted and had tokens accepted, and the engine keeps
+        # the rollouts it made.
         for source in ("model", "group"):
-            assert records[-1][f"{source}_accepted_tokens"] <= records[-1][f"{source}_draft_tokens"]
+            drafted = sum(r[f"{source}_draft_tokens"] for r in records)
+            accepted = sum(r[f"{source}_accepted_tokens"] for r in records)
+            assert 0 < accepted <= drafted, (source, accepted, drafted)
         assert records[-1]["group_history_positions"] >= 16 * records[-1]["response_length"]
         for key in (
             "reward_mean",
@@ -102,16 +121,21 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
                 == engine_out
             )
 
+        # The draft learner dies after iteration 3, which wrote no checkpoint: Ray restarts
+        # it from checkpoint 2, a version behind the draft the engine serves.
         before = ray.get(job.draft.status.remote())
-        ray.kill(job.draft, no_restart=False)
-        job.cfg.iterations = 3
+        job.cfg.checkpoint_every, job.cfg.iterations = 10, 4
+        _kill_before(job, 4, lambda j: j.draft, no_restart=False)
         job.run()
         after = ray.get(job.draft.status.remote())
         assert after["pid"] != before["pid"]
         assert after["resumed_from"] == str(out / "checkpoints" / "iter_000002")
-        assert after["version"] == before["version"] + 1  # training went on from the checkpoint
-        assert [r["iteration"] for r in job_records(out)] == [1, 2, 3]
-        assert sum(r["policy_steps"] for r in job_records(out)) >= 1
+        records = job_records(out)
+        assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+        # It numbers on above the versions already served: no version names two heads.
+        assert [r["engine_draft_version"] for r in records] == [1, 2, 3, 4]
+        assert after["version"] == 4
+        assert sum(r["policy_steps"] for r in records) >= 1
     finally:
         job.shutdown()
 
@@ -149,7 +173,13 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     resumed = run_cli(*args, "compare_at_end=true", "--resume", str(out), timeout=900)
     records = job_records(out)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # none lost, none counted twice
-    assert any(r["mean_acceptance_length"] > 1.0 for r in records)
+    # Both engines drafted and had drafts accepted in every iteration, before and after
+    # the resume.
+    for record in records:
+        assert len(record["engines"]) == 2
+        for engine in record["engines"]:
+            assert engine["mean_acceptance_length"] > 1.0, (record["iteration"], engine)
+            assert any(int(k) > 0 for k in engine["k_steps"]), (record["iteration"], engine)
     final = torch.load(out / "checkpoints" / "iter_000004" / "policy_state.pt", weights_only=True)
     steps = sum(r["policy_steps"] for r in records)
     assert final["version"] == steps
@@ -160,13 +190,23 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     assert state["iteration"] == 4 and state["cursor"] == 4 * 4
     # compare_at_end: the next batch rolled out with and without speculation, side by side.
     rows = {
-        line.split("|")[1].strip(): line.split("|")[2:-1]
+        line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
         for line in resumed.stdout.splitlines()
         if line.startswith("| no speculation") or line.startswith("| speculation:")
     }
     assert set(rows) == {"no speculation", "speculation: concurrency_aware"}, resumed.stdout
-    assert all(int(cells[0]) > 0 for cells in rows.values())
-    assert rows["no speculation"][3].strip() == "1.00x"
+    plain, spec = rows["no speculation"], rows["speculation: concurrency_aware"]
+    for tokens, seconds, tokens_per_s, *_ in (plain, spec):
+        # tokens/s is the row's own tokens over its own measured time (printed to 0.1 s)
+        assert int(tokens) > 0 and float(tokens_per_s) > 0
+        assert abs(int(tokens) / float(tokens_per_s) - float(seconds)) <= 0.06, (plain, spec)
+    # Each row measured its own engine: the plain one never drafted; the speculative one
+    # chose k > 0 on some steps and had drafts accepted.
+    assert plain[4:] == ["1.00", "-"], plain
+    assert float(spec[4]) > 1.0 and spec[5] != "-", spec
+    assert any(int(pair.split(":")[0]) > 0 for pair in spec[5].split(", ")), spec
+    # The speculative row's ratio is the two measured rates' quotient.
+    assert abs(float(spec[3].removesuffix("x")) - float(spec[2]) / float(plain[2])) <= 0.01
 
 
 def test_resumed_engine_reports_the_checkpoint_weight_versions(
@@ -208,3 +248,110 @@ def test_resumed_engine_reports_the_checkpoint_weight_versions(
     assert record["iteration"] == 2 and record["policy_steps"] == 0
     assert record["engine_policy_version"] == 1 and record["engine_draft_version"] == 2
     assert record["draft_trained_on_policy"] == 1 and record["draft_policy_lag"] == 0
+
+
+def test_resume_from_an_older_checkpoint_makes_it_the_only_timeline(
+    tiny_target, tiny_draft, job_profile, tmp_path
+):
+    import ray
+    from safetensors.torch import load_file
+
+    from grpo_specdec.job.checkpoints import check_checkpoint, latest_checkpoint, read_state
+    from grpo_specdec.job.run import Job
+
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    # An earlier start of this run died before its first checkpoint, leaving its new head.
+    shutil.copytree(tiny_draft, out / "initial_draft")
+    cfg = load_yaml(
+        TrainConfig,
+        CONFIG,
+        [*job_overrides(tiny_target, tiny_draft, job_profile, out, 2), "model.draft=null"],
+    )
+    job = Job(cfg)
+    try:
+        # This start's new head replaced that one whole, and the engine serves it.
+        assert job._engine_cfg["speculative"]["draft"] == str(out / "initial_draft")
+        assert sorted(p.name for p in (out / "initial_draft").iterdir()) == [
+            "config.json",
+            "model.safetensors",
+        ]
+        on_disk = load_file(out / "initial_draft" / "model.safetensors")
+        learner_head = ray.get(job.draft.export.remote())[0]
+        assert on_disk.keys() == learner_head.keys()
+        assert all(torch.equal(on_disk[k], learner_head[k]) for k in on_disk)
+        job.run()
+    finally:
+        job.shutdown()
+    first = ckpts / "iter_000001"
+    saved = {
+        role: torch.load(first / f"{role}_state.pt", weights_only=True)["version"]
+        for role in ("policy", "draft")
+    }
+
+    log: list[str] = []
+    job = Job(cfg, resume=str(first), log=log.append)
+    try:
+        # `latest` names the resume point; the later checkpoint is moved aside, whole.
+        assert latest_checkpoint(ckpts) == first
+        assert not (ckpts / "iter_000002").exists()
+        check_checkpoint(ckpts / "abandoned" / "after_iter_000001" / "iter_000002")
+        # Every role starts from the resume point, and the engines say so.
+        draft = ray.get(job.draft.status.remote())
+        assert draft["resumed_from"] == str(first) and draft["version"] == saved["draft"]
+        assert ray.get(job.policies[0].status.remote())["version"] == saved["policy"]
+        assert ray.get(job.rollouts[0].versions.remote()) == saved
+        # The engine dies in iteration 2, before this timeline has a checkpoint of its own:
+        # the restart goes back to the resume point, not to the abandoned iteration 2.
+        _kill_before(job, 2, lambda j: j.rollouts[0], no_restart=True)
+        assert [r["iteration"] for r in job.run()] == [2]
+    finally:
+        job.shutdown()
+    assert any(line.endswith(f"restarting all roles from {first}") for line in log), log
+    assert [r["iteration"] for r in job_records(out)] == [1, 2]
+    assert latest_checkpoint(ckpts) == ckpts / "iter_000002"
+    assert read_state(ckpts / "iter_000002")["iteration"] == 2
+    check_checkpoint(first)  # the resume point is never overwritten
+
+
+def _fake_checkpoint(root, iteration: int):
+    path = root / f"iter_{iteration:06d}"
+    path.mkdir(parents=True)
+    (path / "state.json").write_text(
+        json.dumps({"iteration": iteration, "cursor": 0, "python_rng": 0})
+    )
+    return path
+
+
+def test_resume_timeline_moves_later_checkpoints_aside_and_copies_in_another_runs(tmp_path):
+    import pytest
+
+    from grpo_specdec.job.checkpoints import latest_checkpoint, point_latest_at, resume_timeline
+
+    root = tmp_path / "run" / "checkpoints"
+    _, second, third = (_fake_checkpoint(root, i) for i in (1, 2, 3))
+    point_latest_at(root, third)
+    assert resume_timeline(root, second, log=lambda _: None) == second
+    assert latest_checkpoint(root) == second
+    assert (root / "abandoned" / "after_iter_000002" / "iter_000003" / "state.json").is_file()
+    # The same resume point again, after the new timeline got as far: kept apart.
+    _fake_checkpoint(root, 3)
+    resume_timeline(root, second, log=lambda _: None)
+    assert (root / "abandoned" / "after_iter_000002.2" / "iter_000003").is_dir()
+    assert sorted(p.name for p in root.iterdir()) == [
+        "abandoned",
+        "iter_000001",
+        "iter_000002",
+        "latest",
+    ]
+
+    # Another run's checkpoint is copied in, and only into a run without checkpoints.
+    other = tmp_path / "other" / "checkpoints"
+    with pytest.raises(ValueError, match="of another run, and .* holds checkpoints of its own"):
+        resume_timeline(root, _fake_checkpoint(other, 1), log=lambda _: None)
+    fresh = tmp_path / "fresh" / "checkpoints"
+    assert (
+        resume_timeline(fresh, other / "iter_000001", log=lambda _: None) == fresh / "iter_000001"
+    )
+    assert latest_checkpoint(fresh) == fresh / "iter_000001"
+    assert (other / "iter_000001" / "state.json").is_file()  # the original stays

@@ -1,10 +1,14 @@
-"""Checkpoint folders of the GRPO job: finding the newest complete one, and checking
-one is whole before any work starts from it."""
+"""Checkpoint folders of the GRPO job: finding the newest complete one, checking one is
+whole before any work starts from it, making the one a resume starts from the newest, and
+replacing a folder the job writes whole."""
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import re
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -13,6 +17,8 @@ import torch
 from grpo_specdec.modelcheck import check_model_dir
 
 LATEST = "latest"  # file naming the newest complete checkpoint, replaced atomically
+ABANDONED = "abandoned"  # where a resume moves the checkpoints of the timeline it leaves
+_ITERATION = re.compile(r"iter_(\d+)")
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -26,6 +32,72 @@ def latest_checkpoint(root: Path) -> Path | None:
             f"checkpoint {path} named by {pointer} is incomplete (no state.json)"
         )
     return path
+
+
+def point_latest_at(root: Path, ckpt: Path) -> None:
+    """Name `ckpt` (a folder in root) as the newest checkpoint, atomically."""
+    pointer = root / (LATEST + ".tmp")
+    pointer.write_text(ckpt.name)
+    os.replace(pointer, root / LATEST)
+
+
+def resume_timeline(root: Path, ckpt: Path, log=print) -> Path:
+    """Make checkpoint `ckpt` the newest under `root`, the job's checkpoints folder, before
+    any role loads from it: every role, and every later restart, finds it through `latest`.
+
+    A checkpoint of another run is copied in first, into a root without checkpoints (two
+    runs' histories must not mix). `latest` is rewritten before anything else changes, so
+    that a crash in between leaves a timeline that starts from `ckpt` as well. The
+    checkpoints of later iterations, the timeline this resume leaves, move to
+    root/abandoned/after_<ckpt>/: kept rather than deleted (the resume may have named the
+    wrong one), and out of the way of the checkpoints the job writes next.
+    Returns `ckpt`'s folder in root."""
+    root.mkdir(parents=True, exist_ok=True)
+    if ckpt.resolve().parent != root.resolve():
+        if _iterations(root):
+            raise ValueError(
+                f"--resume {ckpt}: that checkpoint is of another run, and {root} holds "
+                "checkpoints of its own; resume from one of those, or choose another out"
+            )
+        copy = root / f".tmp_{ckpt.name}"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(ckpt, copy)
+        os.replace(copy, root / ckpt.name)
+        log(f"copied checkpoint {ckpt} to {root / ckpt.name}")
+        ckpt = root / ckpt.name
+    point_latest_at(root, ckpt)
+    resumed = read_state(ckpt)["iteration"]
+    later = sorted(path for path, iteration in _iterations(root).items() if iteration > resumed)
+    if later:
+        aside, n = root / ABANDONED / f"after_{ckpt.name}", 1
+        while aside.exists():
+            n += 1
+            aside = root / ABANDONED / f"after_{ckpt.name}.{n}"
+        aside.mkdir(parents=True)
+        for path in later:
+            os.replace(path, aside / path.name)
+        log(
+            f"resuming from {ckpt.name}: moved the later checkpoints "
+            f"{', '.join(p.name for p in later)} to {aside}"
+        )
+    return ckpt
+
+
+def _iterations(root: Path) -> dict[Path, int]:
+    """Checkpoint folders in root -> the iteration in their name."""
+    return {path: int(m[1]) for path in root.iterdir() if (m := _ITERATION.fullmatch(path.name))}
+
+
+def replace_dir(new: Path, dst: Path) -> None:
+    """Move folder `new` to `dst`, replacing any folder there whole (`shutil.move` would put
+    it inside). Each step is a rename: `dst` is the old folder, then none, then the new
+    one, never a mix; a crash in between leaves the old one at .<name>.old beside it."""
+    old = dst.with_name(f".{dst.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(new, dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_state(path: Path) -> dict:

@@ -410,8 +410,11 @@ class DraftLearner:
             self.resumed_from = str(latest)
         self._last_good = copy.deepcopy(self.trainer.state_dict())
 
-    def train(self, *shards: DraftData) -> dict:
-        """Train on one rollout: the hidden states of every policy rank's shard."""
+    def train(self, *shards: DraftData, after_version: int = 0) -> dict:
+        """Train on one rollout: the hidden states of every policy rank's shard.
+        `after_version`: the newest draft version the job has issued. A learner that Ray
+        restarted from an older checkpoint numbers its next weights above it, so that no
+        version names two different heads."""
         start = time.perf_counter()
         data = DraftData.gather(shards)
         # The draft must predict with the embedding and lm_head the engine will pair it with.
@@ -427,7 +430,7 @@ class DraftLearner:
             self.trainer.skipped_steps = skipped
             stats["steps"] = 0
         if stats["steps"]:
-            self.version += 1
+            self.version = max(self.version, after_version) + 1
             self.trained_on_policy = data.policy_version
             self._last_good = copy.deepcopy(self.trainer.state_dict())
         stats["seconds"] = time.perf_counter() - start

@@ -22,7 +22,15 @@ from tqdm import tqdm
 
 from grpo_specdec.grpo.core import group_advantages
 from grpo_specdec.job.actors import Placement
-from grpo_specdec.job.checkpoints import LATEST, check_checkpoint, latest_checkpoint, read_state
+from grpo_specdec.job.checkpoints import (
+    LATEST,
+    check_checkpoint,
+    latest_checkpoint,
+    point_latest_at,
+    read_state,
+    replace_dir,
+    resume_timeline,
+)
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.job.data_parallel import shard
 from grpo_specdec.job.roles import PolicyBatch, Rollout
@@ -80,7 +88,7 @@ class Job:
         self._check_context_length()
         ckpt = None
         if resume:
-            ckpt = self._resume_point(Path(resume))
+            ckpt = resume_timeline(self.ckpts, self._resume_point(Path(resume)), self.log)
         elif latest_checkpoint(self.ckpts) is not None:
             raise ValueError(
                 f"{self.ckpts} already holds checkpoints: pass --resume {self.out} or choose another out"
@@ -140,8 +148,9 @@ class Job:
             if not draft_dir:  # a new head: the engine needs it on disk to start
                 draft_dir = self.base_draft = str(self.out / "initial_draft")
                 staging = self.out / "initial_draft_state"
+                shutil.rmtree(staging, ignore_errors=True)
                 ray.get(self.draft.save.remote(staging))
-                shutil.move(str(staging / "draft"), draft_dir)
+                replace_dir(staging / "draft", Path(draft_dir))  # e.g. an earlier run's head
                 shutil.rmtree(staging)
         self.policies = [
             place.actor("policy", rank).remote(
@@ -162,6 +171,7 @@ class Job:
         learners = {role: a for role, a in learners.items() if a is not None}
         status = ray.get([a.status.remote() for a in learners.values()])
         versions = {role: s["version"] for role, s in zip(learners, status, strict=True)}
+        self.draft_version = versions.get("draft", 0)  # the newest draft version issued
         self.rollouts = [
             place.actor("rollout", i).remote(self._engine_cfg, versions)
             for i in range(cfg.ray.rollout_workers)
@@ -364,13 +374,14 @@ class Job:
         shards = [p.prepare.remote(batch) for p in self.policies]
         updates = [p.update.remote() for p in self.policies]
         draft_job = (
-            self.draft.train.remote(*shards)
+            self.draft.train.remote(*shards, after_version=self.draft_version)
             if self.draft is not None and self.cfg.draft.online
             else None
         )
         policy_stats = _get_all(updates)[0]  # every rank returns the whole batch's
         t_policy = time.perf_counter()
         draft_stats = self._finish_draft(draft_job, shards)
+        self.draft_version = draft_stats.get("draft_version", self.draft_version)
         t_draft = time.perf_counter()
 
         sync = {}
@@ -500,13 +511,17 @@ class Job:
                     "Ray restarts it from its last checkpoint; training it on this rollout again"
                 )
                 time.sleep(1.0)
-                job = self.draft.train.remote(*shards)
+                job = self.draft.train.remote(*shards, after_version=self.draft_version)
 
     # ---- checkpoints -------------------------------------------------------------------
     def checkpoint(self) -> Path:
         """Write everything needed to continue, atomically: a half-written checkpoint is
         never named by `latest`, so the previous one stays loadable."""
         final = self.ckpts / f"iter_{self.iteration:06d}"
+        # Resuming moved any later checkpoint aside: one found here is the one `latest`
+        # names (or the resume point), which a restart or resume still needs.
+        if final.exists():
+            raise FileExistsError(f"checkpoint {final} exists already; refusing to overwrite it")
         tmp = self.ckpts / f".tmp_{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -524,11 +539,8 @@ class Job:
             "config": self.cfg.model_dump(),
         }
         (tmp / "state.json").write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        pointer = self.ckpts / (LATEST + ".tmp")
-        pointer.write_text(final.name)
-        os.replace(pointer, self.ckpts / LATEST)
+        point_latest_at(self.ckpts, final)
         return final
 
     # ---- the loop ----------------------------------------------------------------------
