@@ -75,7 +75,49 @@ def _served(job) -> list[dict]:
     return ray.get([engine.versions.remote() for engine in job.rollouts])
 
 
-def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job_profile, tmp_path):
+def _greedy(worker, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+    """Runs in the rollout actor: each prompt's greedy completion and its log-probs, which
+    any change of the policy weights the engine serves moves."""
+    from vllm import SamplingParams
+
+    outs = worker.engine.llm.generate(
+        [{"prompt_token_ids": worker.engine.encode(p)} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=12, logprobs=0),
+        use_tqdm=False,
+    )
+    return [
+        (list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids, strict=True)])
+        for o in (out.outputs[0] for out in outs)
+    ]
+
+
+def _draft_fc(worker) -> list[float]:
+    """Runs in the rollout actor: the served draft's fc layer applied to a fixed input (on
+    CPU the engine repacks linear weights, so they cannot be read back as tensors)."""
+
+    def apply_fc(vllm_worker):
+        fc = vllm_worker.get_draft_model().model.fc
+        out = fc(torch.linspace(-1, 1, fc.input_size).reshape(1, -1))
+        return (out[0] if isinstance(out, tuple) else out).flatten().tolist()
+
+    return worker.engine.llm.collective_rpc(apply_fc)[0]
+
+
+def _engine_outputs(job, probe, *args) -> list:
+    return ray.get([engine.__ray_call__.remote(probe, *args) for engine in job.rollouts])
+
+
+def _assert_same_greedy(now, before) -> None:
+    """Token ids equal; log-probs equal up to the float noise of different step batches."""
+    for engine_now, engine_before in zip(now, before, strict=True):
+        for (ids, logp), (ids_0, logp_0) in zip(engine_now, engine_before, strict=True):
+            assert ids == ids_0
+            assert logp == pytest.approx(logp_0, abs=1e-5)
+
+
+def test_job_recovers_from_faults_and_loses_nothing(
+    tiny_target, tiny_draft, job_profile, tmp_path, questions
+):
     from grpo_specdec.job.run import Job
 
     out = tmp_path / "run"
@@ -121,17 +163,21 @@ def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job
         assert [v["draft"] for v in _served(job)] == [served, served]
 
         # A draft swap that fails inside one engine: reported, and the other engine, which
-        # had loaded it, gets the previous draft back (both serve the same version).
+        # had loaded it, gets the previous draft back: both serve that version, and its
+        # weights (the fc layer computes what it did before).
+        draft_before = _engine_outputs(job, _draft_fc)
         ray.get(job.rollouts[1].__ray_call__.remote(_break_next_swap("draft")))
         job.cfg.iterations = 6
         job.run()
         rec = job_records(out)[-1]
         assert "injected draft swap failure" in rec["draft_swap_error"]
         assert [v["draft"] for v in _served(job)] == [served, served]
+        assert _engine_outputs(job, _draft_fc) == draft_before
 
         # A failed policy sync in one engine stops the job with a clear error; neither
         # engine is left on the new version.
         policy_before = _served(job)[0]["policy"]
+        greedy_before = _engine_outputs(job, _greedy, questions[:4])
         ray.get(job.rollouts[1].__ray_call__.remote(_break_next_swap("policy")))
         job.cfg.iterations = 9
         with pytest.raises(
@@ -139,6 +185,8 @@ def test_job_recovers_from_faults_and_loses_nothing(tiny_target, tiny_draft, job
         ):
             job.run()
         assert [v["policy"] for v in _served(job)] == [policy_before] * 2
+        # The engine that had loaded the new policy serves the previous one again.
+        _assert_same_greedy(_engine_outputs(job, _greedy, questions[:4]), greedy_before)
 
         # A draft swap whose restore fails too stops the job naming both failures; the
         # engine, whose draft may be a mix, refuses to generate.
