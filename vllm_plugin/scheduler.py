@@ -20,6 +20,7 @@ from collections import Counter, deque
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_plugin.compat import is_registered
 from vllm_plugin.controller import (
     AcceptanceEstimator,
     FixedPolicy,
@@ -58,9 +59,8 @@ def _ensure_registered(collector) -> None:
     # loggers start (after this scheduler is built), so registration is checked per step.
     import prometheus_client
 
-    registry = prometheus_client.REGISTRY
-    if collector not in registry._collector_to_names:
-        registry.register(collector)
+    if not is_registered(collector):
+        prometheus_client.REGISTRY.register(collector)
 
 
 def build_policy(

@@ -26,9 +26,7 @@ def enable_for_serve() -> bool:
     """Turn on multiprocess metrics in a serve API process; True if this call did."""
     if not is_serve_api_process() or "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         return False
-    from prometheus_client import values
-    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+    from vllm_plugin.compat import enable_multiprocess_metrics
 
-    setup_multiprocess_prometheus()
-    values.ValueClass = values.MultiProcessValue()
+    enable_multiprocess_metrics()
     return True

@@ -8,7 +8,7 @@ works with the engine in-process or in its own process. The worker opens the fil
 and keeps it open while it is the last good one: the caller may remove it at any time.
 
 Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` ...
-`finalize_layerwise_reload`), the same lifecycle its weight-transfer engines use; it
+`finalize_layerwise_reload`, in vllm_plugin/compat.py), the same lifecycle its weight-transfer engines use; it
 re-runs each layer's post-load processing, which matters on CPU where linear weights
 are repacked after loading. If loading fails partway, the last good weights (the file
 kept open, or the checkpoint) are loaded again, so the engine never serves a mix; if that fails
@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from vllm_plugin.compat import layerwise_reload
 from vllm_plugin.manifest import (
     Manifest,
     MixedWeightsError,
@@ -35,6 +36,7 @@ from vllm_plugin.manifest import (
     validate_metadata,
     validate_weights,
 )
+from vllm_plugin.patches.group_drafts_v0_32 import group_drafter
 from vllm_plugin.swap_folder import open_swap_file
 
 ROLES = ("policy", "draft")
@@ -80,18 +82,8 @@ class WeightSwapExtension:
 
     def _grpo_load(self, role: str, weights: dict[str, torch.Tensor]) -> None:
         model, model_config = self._grpo_target(role)
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(model)
-            try:
-                model.load_weights(iter(weights.items()))
-            finally:
-                finalize_layerwise_reload(model, model_config)
+        with layerwise_reload(model, model_config, self.vllm_config):
+            model.load_weights(iter(weights.items()))
 
     def grpo_swap_weights(self, role: str, path: str, version: int) -> dict:
         """Validate then load the safetensors file at `path` (in the swap folder) as the
@@ -127,7 +119,7 @@ class WeightSwapExtension:
         state["versions"][role] = version
         state["last_good"][role] = [opened]
         state["mixed"].pop(role, None)
-        drafter = getattr(self.model_runner, "_grpo_group", None)
+        drafter = group_drafter(self.model_runner)
         if role == "policy" and drafter is not None:
             drafter.new_policy()
         return {"version": version, "validate_s": t1 - t0, "load_s": time.perf_counter() - t1}
@@ -165,7 +157,7 @@ class WeightSwapExtension:
         return dict(self._grpo_state()["mixed"])
 
     def _grpo_group_drafter(self):
-        drafter = getattr(self.model_runner, "_grpo_group", None)
+        drafter = group_drafter(self.model_runner)
         if drafter is None:
             raise RuntimeError("group drafts are off in this engine (controller.group.enabled)")
         return drafter
@@ -173,7 +165,7 @@ class WeightSwapExtension:
     def grpo_group_draft_stats(self) -> dict | None:
         """Counts of the group drafter (drafts and acceptance per source, history size);
         None when group drafts are off."""
-        drafter = getattr(self.model_runner, "_grpo_group", None)
+        drafter = group_drafter(self.model_runner)
         return None if drafter is None else drafter.snapshot()
 
     def grpo_group_draft_reset(self) -> None:
@@ -187,9 +179,3 @@ class WeightSwapExtension:
 
     def grpo_weight_versions(self) -> dict[str, int]:
         return dict(self._grpo_state()["versions"])
-
-    def grpo_weight_manifest(self, role: str) -> dict[str, tuple[list[int], str]]:
-        return {
-            n: (list(s), str(d).removeprefix("torch."))
-            for n, (s, d) in self._grpo_manifest(role).items()
-        }

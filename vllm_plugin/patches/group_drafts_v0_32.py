@@ -26,14 +26,32 @@ from __future__ import annotations
 import logging
 
 TARGET_VERSION = "0.32.0"
+DRAFTER_ATTR = "_grpo_group"  # where the patched runner holds its GroupDrafter
 
 logger = logging.getLogger(__name__)
+
+
+def group_drafter(runner):
+    """The GroupDrafter of vLLM 0.32.0 model runner `runner` (a `GPUModelRunner`, which the
+    CPU runner subclasses; a worker holds it as `worker.model_runner`), which this patch
+    builds when the runner starts; None when group drafts are off or the patch is not on."""
+    return getattr(runner, DRAFTER_ATTR, None)
+
+
+def refuse_sampled_drafts(draft_sampling: str, sampling_field: str, group_field: str) -> None:
+    """The one refusal of sampled drafting beside group drafts, for each place that can ask
+    for both; `sampling_field` and `group_field` name that place's own settings."""
+    if draft_sampling != "greedy":
+        raise ValueError(
+            f"{sampling_field}={draft_sampling} and {group_field}: group drafts are one-hot; "
+            f"{sampling_field} must be 'greedy' with group drafts"
+        )
 
 
 def _build(runner):
     from vllm_plugin.controller import AcceptanceEstimator
     from vllm_plugin.group_drafter import GroupDrafter
-    from vllm_plugin.settings import ControllerSettings, load_latency
+    from vllm_plugin.settings import ENV, ControllerSettings, load_latency
 
     spec = runner.speculative_config
     if spec is None:
@@ -46,11 +64,11 @@ def _build(runner):
             "group drafts need synchronous scheduling: start the engine with "
             "async_scheduling=False (vLLM turns it on by default for EAGLE on GPU)"
         )
-    if spec.draft_sample_method != "greedy":
-        raise ValueError(
-            f"group drafts are one-hot: speculative_config.draft_sample_method must be "
-            f"'greedy', not {spec.draft_sample_method!r}"
-        )
+    refuse_sampled_drafts(
+        spec.draft_sample_method,
+        "speculative_config.draft_sample_method",
+        f"{ENV} group.enabled",
+    )
     g = settings.group
     k_max = runner.num_spec_tokens
     drafter = GroupDrafter(
@@ -71,7 +89,7 @@ def _build(runner):
 def _wrap_take(original):
     def take_draft_token_ids(self):
         drafts = original(self)
-        drafter = getattr(self, "_grpo_group", None)
+        drafter = group_drafter(self)
         if drafter is None:
             return drafts
         from vllm.v1.outputs import DraftTokenIds
@@ -103,7 +121,7 @@ def _wrap_init(original):
     # engine started later in this process may carry other settings).
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self._grpo_group = _build(self)
+        setattr(self, DRAFTER_ATTR, _build(self))
 
     __init__._grpo_original = original
     return __init__

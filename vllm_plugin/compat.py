@@ -1,0 +1,56 @@
+"""The plugin's side of the one adapter for vLLM internals: what vllm_plugin reads of vLLM
+0.32.0 (and of prometheus_client, as vLLM itself uses it) beyond its documented extension
+points, outside the patches in vllm_plugin/patches/ (each of which owns what it patches).
+
+vllm_plugin must not import grpo_specdec, so the internals are split by layer: the ones the
+plugin needs live here, the ones grpo_specdec and the benchmarks need live in
+grpo_specdec/vllm_compat.py. tests/test_vllm_compat.py fails when anything named here moves,
+and checks that no other module reaches into vLLM's internals.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+TARGET_VERSION = "0.32.0"
+
+
+@contextmanager
+def layerwise_reload(model, model_config, vllm_config):
+    """Load weights into a running `model` inside this block (vLLM 0.32.0:
+    `vllm.model_executor.model_loader.reload.initialize_layerwise_reload` before,
+    `finalize_layerwise_reload` after, under `set_current_vllm_config`): each layer's
+    post-load processing runs again, which on CPU repacks the linear weights."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    with set_current_vllm_config(vllm_config):
+        initialize_layerwise_reload(model)
+        try:
+            yield
+        finally:
+            finalize_layerwise_reload(model, model_config)
+
+
+def is_registered(collector) -> bool:
+    """Whether `collector` is in prometheus_client's default registry. prometheus_client
+    has no public query for it; this reads `REGISTRY._collector_to_names`, as vLLM 0.32.0's
+    own `vllm.v1.metrics.prometheus.unregister_vllm_metrics` does."""
+    import prometheus_client
+
+    return collector in prometheus_client.REGISTRY._collector_to_names
+
+
+def enable_multiprocess_metrics() -> None:
+    """Switch this process's metrics to prometheus_client's multiprocess mode, after it was
+    first imported: vLLM 0.32.0's `vllm.v1.metrics.prometheus.setup_multiprocess_prometheus`
+    (a temporary PROMETHEUS_MULTIPROC_DIR that vLLM removes at exit), then
+    `prometheus_client.values.ValueClass`, which prometheus_client picks once at import."""
+    from prometheus_client import values
+    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+
+    setup_multiprocess_prometheus()
+    values.ValueClass = values.MultiProcessValue()
