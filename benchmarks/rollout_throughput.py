@@ -44,6 +44,7 @@ from benchmarks.common import (
 )
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
+from grpo_specdec.vllm_compat import dense_k_table
 from vllm_plugin.controller import (
     AcceptanceEstimator,
     FixedPolicy,
@@ -183,8 +184,6 @@ def few_in_flight_share(trace: list) -> float:
 def compared_configs(
     plain: Engine, spec: Engine, latency: LatencyModel, table, k_max: int, max_batch: int
 ) -> dict[str, Config]:
-    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
-
     scheduler = spec.scheduler()
 
     def on_spec(policy, acceptance=None) -> Config:
@@ -196,7 +195,7 @@ def compared_configs(
         "k=0 (draft loaded)": on_spec(FixedPolicy(0)),
         "k=0, vLLM as shipped": Config(spec, FixedPolicy(0), scheduler.new_acceptance(), False),
         **{f"k={k}": on_spec(FixedPolicy(k)) for k in range(1, k_max + 1)},
-        "static table": on_spec(build_dynamic_sd_schedule_lookup(table, max_batch, k_max)),
+        "static table": on_spec(dense_k_table(table, max_batch, k_max)),
         "paper rule": on_spec(PaperPolicy(latency.c_peak, k_max)),
         "ours": on_spec(GoodputPolicy(latency, ours, max_batch), ours),
     }

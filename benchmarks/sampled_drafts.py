@@ -46,6 +46,7 @@ from grpo_specdec.draft.head import load_head
 from grpo_specdec.draft.loss import acceptance, make_batch
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
+from grpo_specdec.vllm_compat import sample_draft_as_vllm
 from vllm_plugin.controller import FixedPolicy
 from vllm_plugin.patches import cpu_rejection_sample_v0_32 as rejection
 from vllm_plugin.patches.cpu_sampled_drafts_v0_32 import sample_draft
@@ -151,8 +152,6 @@ def costs(head: str, vocab: int) -> dict:
 
 
 def _costs_at(batch: int, vocab_ids: torch.Tensor, vocab: int, k: int = 3) -> dict:
-    from vllm.v1.spec_decode.llm_base_proposer import compute_probs_and_sample_next_token
-
     meta = SimpleNamespace(
         all_greedy=False, all_random=True, temperature=torch.ones(batch), generators={}
     )
@@ -185,7 +184,7 @@ def _costs_at(batch: int, vocab_ids: torch.Tensor, vocab: int, k: int = 3) -> di
     return {
         "greedy": _ms(lambda: scattered().argmax(-1)),
         "plugin_greedy": _ms(lambda: vocab_ids[small.argmax(-1)]),
-        "vllm_sampled": _ms(lambda: compute_probs_and_sample_next_token(scattered(), meta)),
+        "vllm_sampled": _ms(lambda: sample_draft_as_vllm(scattered(), meta)),
         "plugin_sampled": _ms(lambda: sample_draft(small, meta.temperature, vocab_ids)),
         "keep_q_dense": _ms(lambda: torch.stack([dense_q] * k, 1).contiguous()),
         "keep_q_reduced": _ms(lambda: torch.stack([reduced_q] * k, 1).contiguous()),

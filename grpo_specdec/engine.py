@@ -26,8 +26,9 @@ from grpo_specdec.modelcheck import (
     resolve_max_model_len,
 )
 from grpo_specdec.swap_files import swap_file
-from grpo_specdec.vllm_compat import stop_engine
+from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin.manifest import MixedWeightsError
+from vllm_plugin.patches.group_drafts_v0_32 import refuse_sampled_drafts
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.settings import ControllerSettings
 
@@ -65,10 +66,9 @@ class SpeculativeSettings(StrictModel):
                 "speculative.draft is null, so drafts can only come from the group's text: "
                 "set speculative.controller.group.enabled=true (or name a draft)"
             )
-        if self.draft_sampling != "greedy" and self.controller.group.enabled:
-            raise ValueError(
-                "speculative.draft_sampling=probabilistic and controller.group.enabled: group "
-                "drafts are one-hot; use greedy draft sampling with group drafts"
+        if self.controller.group.enabled:
+            refuse_sampled_drafts(
+                self.draft_sampling, "speculative.draft_sampling", "controller.group.enabled"
             )
         if self.draft is None and self.draft_sampling != "greedy":
             raise ValueError("speculative.draft_sampling=probabilistic needs a draft model")
@@ -236,9 +236,7 @@ class Engine:
         self.cfg = cfg
         # The engine-core process mode is read from the environment when the engine
         # starts; vLLM caches env reads once an engine runs, so drop that cache first.
-        import vllm.envs as envs
-
-        envs.disable_envs_cache()
+        reread_environment()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
             "0" if cfg.engine_process == "in_process" else "1"
         )
@@ -396,7 +394,7 @@ class Engine:
         """The engine-core scheduler object (in-process engines only)."""
         if self.cfg.engine_process != "in_process":
             raise RuntimeError("the scheduler lives in another process; use an in_process engine")
-        return self.llm.llm_engine.engine_core.engine_core.scheduler
+        return in_process_scheduler(self.llm)
 
     def group_draft_stats(self) -> dict | None:
         """The group drafter's counts since the engine started: drafts and accepted tokens

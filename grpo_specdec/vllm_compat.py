@@ -1,12 +1,18 @@
-"""The one place the project reaches into vLLM 0.32's private engine internals: stopping
-one in-process engine while others in the process keep running.
+"""The one place grpo_specdec and the benchmarks reach into vLLM 0.32.0's internals:
+stopping one in-process engine while others in the process keep running, reaching an
+in-process engine's scheduler, re-reading the environment, and two functions of vLLM's
+speculative decoding that the benchmarks compare against.
+
+vllm_plugin must not import grpo_specdec, so the plugin's own reads of vLLM internals live
+in vllm_plugin/compat.py (and each patch in vllm_plugin/patches/ owns what it patches);
+everything above the plugin goes through this module. tests/test_vllm_compat.py fails
+when the internals named here change, and checks that no other module reaches into them.
 
 vLLM stops an in-process engine with `EngineCore.shutdown()`, which ends by tearing
 down the process-wide distributed state (`cleanup_dist_env_and_memory`) that every
 other in-process engine still uses; vLLM's finalizer runs the same when the client is
 collected. vLLM 0.32 has no public way to stop one engine only, so `stop_engine` does
-the rest of `EngineCore.shutdown()` itself. tests/test_vllm_compat.py fails when the
-internals named here change.
+the rest of `EngineCore.shutdown()` itself.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ TARGET_VERSION = "0.32"
 
 def stop_engine(llm, others_alive: bool) -> None:
     """Shut down the engine of vLLM `LLM` object `llm`; with `others_alive`, leave the
-    process-wide state that other in-process engines share in place."""
+    process-wide state that other in-process engines share in place (vLLM 0.32.0:
+    `InprocClient._finalizer` and the steps of `EngineCore.shutdown`)."""
     from vllm.v1.engine.core_client import InprocClient
 
     client = llm.llm_engine.engine_core
@@ -32,3 +39,36 @@ def stop_engine(llm, others_alive: bool) -> None:
     core.model_executor.shutdown()
     core.scheduler.shutdown()
     gc.unfreeze()  # objects the engine froze at start-up become collectable again
+
+
+def in_process_scheduler(llm):
+    """The scheduler object of vLLM `LLM` object `llm` whose engine core runs in this
+    process (vLLM 0.32.0: `llm.llm_engine.engine_core` is an `InprocClient`, its
+    `engine_core` the `EngineCore`, whose `scheduler` is the `scheduler_cls` instance)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def reread_environment() -> None:
+    """Make vLLM read its environment variables afresh (vLLM 0.32.0 caches them once an
+    engine runs; `vllm.envs.disable_envs_cache` drops that cache)."""
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()
+
+
+def dense_k_table(table, max_batch: int, k_max: int) -> list[int]:
+    """vLLM's static batch-size -> k lookup (index: running requests) for the ranges `table`
+    of `num_speculative_tokens_per_batch_size`, as vLLM 0.32.0's scheduler builds it
+    (`vllm.v1.spec_decode.dynamic.utils.build_dynamic_sd_schedule_lookup`)."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    return build_dynamic_sd_schedule_lookup(table, max_batch, k_max)
+
+
+def sample_draft_as_vllm(logits, sampling_metadata):
+    """(draft token ids, q) of one draft position drawn the way vLLM 0.32.0's EAGLE proposer
+    draws sampled drafts over the full vocabulary
+    (`vllm.v1.spec_decode.llm_base_proposer.compute_probs_and_sample_next_token`)."""
+    from vllm.v1.spec_decode.llm_base_proposer import compute_probs_and_sample_next_token
+
+    return compute_probs_and_sample_next_token(logits, sampling_metadata)

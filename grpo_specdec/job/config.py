@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from grpo_specdec.config import DraftSampling, StrictModel, with_off
 from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import Aggregation
+from vllm_plugin.patches.group_drafts_v0_32 import refuse_sampled_drafts
 from vllm_plugin.settings import ControllerSettings
 
 
@@ -65,10 +66,9 @@ class RolloutSettings(StrictModel):
 
     @model_validator(mode="after")
     def _one_hot_group_drafts(self) -> RolloutSettings:
-        if self.draft_sampling != "greedy" and self.controller.group.enabled:
-            raise ValueError(
-                "rollout.draft_sampling=probabilistic and rollout.controller.group.enabled: "
-                "group drafts are one-hot; use draft_sampling greedy with group drafts"
+        if self.controller.group.enabled:
+            refuse_sampled_drafts(
+                self.draft_sampling, "rollout.draft_sampling", "rollout.controller.group.enabled"
             )
         return self
 
