@@ -246,3 +246,12 @@ def job_records(out: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for servers a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,18 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
-from tests.conftest import job_overrides, job_records
+from tests.conftest import free_port, job_overrides, job_records
 from tests.test_readme import run, section_commands
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 README_CONFIG = "configs/smollm2_arith.yaml"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +40,7 @@ def commands() -> list[str]:
 def ray_head(commands):
     """The README's `ray start --head`, on free ports, as its own process group (stopped
     with it: `ray stop` would stop every Ray on the machine)."""
-    port, dashboard = _free_port(), _free_port()
+    port, dashboard = free_port(), free_port()
     argv = shlex.split(commands[1].replace("6379", str(port)).replace("8265", str(dashboard)))
     temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay short
     argv[0] = str(BIN / "ray")

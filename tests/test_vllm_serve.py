@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 from tests.test_readme import section_commands
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def readme_command(start: str, target: str, draft: str, port: int, *extra: str) -> list[str]:
@@ -107,7 +100,7 @@ def server(tiny_target, tiny_draft, job_profile, fail_loads, tmp_path_factory):
         "vllm serve",
         tiny_target,
         tiny_draft,
-        _free_port(),
+        free_port(),
         "--api-key",
         API_KEY,
         "--worker-extension-cls",
@@ -387,7 +380,7 @@ def test_trl_vllm_serve_runs_the_plugin(tiny_target, tiny_draft, job_profile, qu
     not know, so the plugin's scheduler and extension pass through."""
     from openai import OpenAI
 
-    trl = readme_command("trl vllm-serve", tiny_target, tiny_draft, _free_port())
+    trl = readme_command("trl vllm-serve", tiny_target, tiny_draft, free_port())
     env = {"GRPO_SPECDEC_CONTROLLER": json.dumps({"profile": job_profile})}
     proc, url = start_server(trl, env, tmp_path / "trl.log")
     try:
