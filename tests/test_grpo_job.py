@@ -158,16 +158,19 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
         stderr=log,
         start_new_session=True,
     )
+    # Killed once a checkpoint of iteration 2 or 3 is the latest: any of them leaves
+    # iterations to resume, so the test does not depend on seeing one exact checkpoint.
     latest = out / "checkpoints" / "latest"
     deadline = time.time() + 600
-    while not (latest.is_file() and latest.read_text() == "iter_000002"):
+    while not (latest.is_file() and latest.read_text() in ("iter_000002", "iter_000003")):
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.time() < deadline
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    opt_at_2 = torch.load(
-        out / "checkpoints" / "iter_000002" / "policy_state.pt", weights_only=True
+    killed_after = latest.read_text()
+    opt_at_kill = torch.load(
+        out / "checkpoints" / killed_after / "policy_state.pt", weights_only=True
     )
 
     resumed = run_cli(*args, "compare_at_end=true", "--resume", str(out), timeout=900)
@@ -185,7 +188,7 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     assert final["version"] == steps
     # The optimiser continued: its step count carries on from the checkpoint's.
     step_at = lambda s: max((v["step"] for v in s["opt"]["state"].values()), default=0)  # noqa: E731
-    assert step_at(final) == steps and step_at(final) >= step_at(opt_at_2)
+    assert step_at(final) == steps and step_at(final) >= step_at(opt_at_kill)
     state = json.loads((out / "checkpoints" / "iter_000004" / "state.json").read_text())
     assert state["iteration"] == 4 and state["cursor"] == 4 * 4
     # compare_at_end: the next batch rolled out with and without speculation, side by side.
