@@ -28,9 +28,8 @@ from grpo_specdec.modelcheck import (
 from grpo_specdec.swap_files import swap_file
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin.manifest import MixedWeightsError
-from vllm_plugin.patches.group_drafts_v0_32 import refuse_sampled_drafts
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
-from vllm_plugin.settings import ControllerSettings
+from vllm_plugin.settings import ControllerSettings, refuse_sampled_drafts
 
 logger = logging.getLogger(__name__)
 

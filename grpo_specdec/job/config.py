@@ -9,8 +9,7 @@ from pydantic import Field, model_validator
 from grpo_specdec.config import DraftSampling, StrictModel, with_off
 from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import Aggregation
-from vllm_plugin.patches.group_drafts_v0_32 import refuse_sampled_drafts
-from vllm_plugin.settings import ControllerSettings
+from vllm_plugin.settings import ControllerSettings, refuse_sampled_drafts
 
 
 class ModelSettings(StrictModel):

@@ -38,20 +38,10 @@ def group_drafter(runner):
     return getattr(runner, DRAFTER_ATTR, None)
 
 
-def refuse_sampled_drafts(draft_sampling: str, sampling_field: str, group_field: str) -> None:
-    """The one refusal of sampled drafting beside group drafts, for each place that can ask
-    for both; `sampling_field` and `group_field` name that place's own settings."""
-    if draft_sampling != "greedy":
-        raise ValueError(
-            f"{sampling_field}={draft_sampling} and {group_field}: group drafts are one-hot; "
-            f"{sampling_field} must be 'greedy' with group drafts"
-        )
-
-
 def _build(runner):
     from vllm_plugin.controller import AcceptanceEstimator
     from vllm_plugin.group_drafter import GroupDrafter
-    from vllm_plugin.settings import ENV, ControllerSettings, load_latency
+    from vllm_plugin.settings import ENV, ControllerSettings, load_latency, refuse_sampled_drafts
 
     spec = runner.speculative_config
     if spec is None:
