@@ -253,7 +253,9 @@ def main() -> None:
     models = {"base": (target, args.head or smollm2_head(target))}
     if any(SHAPES[s][0] == "trained" for s in shapes):
         models["trained"] = trained_policy(args.trained_iterations, args.trained_lr)
-    max_batch = max([*batch_sizes, *(SHAPES[s][1] * SHAPES[s][2] for s in shapes)])
+    max_batch = max(
+        [*batch_sizes, len(OUTSIDE_PROMPTS), *(SHAPES[s][1] * SHAPES[s][2] for s in shapes)]
+    )
 
     # Workloads: (section, key, policy, prompts, sampling).
     questions = [p.question for p in make_problems(max_batch, seed=7, level=2)]

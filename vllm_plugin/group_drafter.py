@@ -45,8 +45,8 @@ class ConfidenceCalibration:
     """Measured acceptance of group tokens, per (match length, depth, raw confidence tenth).
 
     The index's raw confidence is overconfident where evidence is thin (a context seen once
-    scores 0.5; measured acceptance 0.16-0.47 by match length, docs/BENCHMARKS.md "Group
-    drafts"), so each token's chance is learnt from outcomes, starting from raw squared (what
+    scores 0.5; measured acceptance 0.16-0.47 by match length, docs/benchmarks/
+    group_drafts.md), so each token's chance is learnt from outcomes, starting from raw squared (what
     those measurements follow) and fading old evidence as the policy moves."""
 
     def __init__(self, max_match: int, k_max: int, prior_weight: float = 4.0, decay: float = 0.999):

@@ -26,7 +26,7 @@ def default_dir() -> Path:
 
 
 # The default draft head: a reduced draft vocabulary measured equal or better acceptance
-# than the full one at a sixth of its draft-step cost (docs/BENCHMARKS.md, "Draft heads").
+# than the full one at a sixth of its draft-step cost (docs/benchmarks/draft_heads.md).
 DEFAULT_DRAFT_VOCAB = 4096
 
 

@@ -6,7 +6,7 @@ probability min(1, p(x)/q(x))) a draft token is accepted with probability
 sum_x min(p(x), q(x)) = 1 - TV(p, q), at the rollout temperature. `tv_weight` adds
 TV(p, q) to the loss, p over the target's whole vocabulary (a reduced draft vocabulary
 forgoes the mass outside it). Soft cross-entropy alone aims q at p too; on SmolLM2 the
-added term measured no better (docs/BENCHMARKS.md, "Sampled drafting"), so it is off by
+added term measured no better (docs/benchmarks/sampled_drafts.md), so it is off by
 default."""
 
 from __future__ import annotations
