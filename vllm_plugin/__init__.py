@@ -5,11 +5,15 @@ it starts. Features (the concurrency-aware scheduler, the weight-swap extension)
 opt-in by configuration. What it does unasked is patch vLLM 0.32 (see `patches/`, one
 module each): on CPU, sampled speculative decoding that was not lossless and cost too
 much, sampled drafting that cost more than it gained, engine starts that recompiled
-every time, aborted at random, or failed after numba was imported; everywhere, a draft pass that ran on steps drafting nothing (it now runs
-lazily, catching up when drafting resumes); and, when configured, drafts from a GRPO
-group's text join the engine's own (its one per-step hook, `take_draft_token_ids`). Set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM
-untouched. In a `vllm serve` API process it also turns on multiprocess metrics, so that
-/metrics shows the engine core's (see `serve_metrics`).
+every time, aborted at random, or failed after numba was imported; on vLLM's V1 model
+runner, a draft pass that ran on steps drafting nothing (it now runs lazily, catching up
+when drafting resumes); and, when configured, drafts from a GRPO group's text join the
+engine's own (its one per-step hook, `take_draft_token_ids`). Where vLLM would run its
+Model Runner V2 instead (CUDA), which none of those patches reach, it selects V1 unless
+the user set VLLM_USE_V2_MODEL_RUNNER (`patches.choose_model_runner`). Set
+GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched. In a `vllm serve` API process it also
+turns on multiprocess metrics, so that /metrics shows the engine core's (see
+`serve_metrics`).
 """
 
 import logging
@@ -18,12 +22,13 @@ import os
 logger = logging.getLogger(__name__)
 
 LOADED = False
+RUNNER: str | None = None  # the model runner this process's engines run: "V1" or "V2"
 PATCHED: list[str] = []
 SKIPPED: list[str] = []
 
 
 def register() -> None:
-    global LOADED
+    global LOADED, RUNNER
     LOADED = True
     if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":
         return
@@ -33,6 +38,7 @@ def register() -> None:
     import vllm
     from vllm.platforms import current_platform
 
+    from vllm_plugin import patches
     from vllm_plugin.patches import (
         cpu_compile_cache_v0_32,
         cpu_expand_kernel_v0_32,
@@ -44,6 +50,9 @@ def register() -> None:
         group_drafts_v0_32,
     )
 
+    if RUNNER is None:
+        patches.choose_model_runner()
+        RUNNER = patches.runner_name()
     for patch in (
         cpu_expand_kernel_v0_32,
         cpu_rejection_sample_v0_32,
@@ -54,7 +63,7 @@ def register() -> None:
         free_k0_v0_32,
         group_drafts_v0_32,
     ):
-        name = patch.__name__.rsplit(".", 1)[1]
+        name = patch_name(patch)
         if name in PATCHED or name in SKIPPED:
             continue
         if patch.apply():
@@ -63,10 +72,25 @@ def register() -> None:
             # register() may run again in the same process: say it once.
             SKIPPED.append(name)
             logger.warning(
-                "grpo-specdec patch %s not applied: vLLM %s on %s is not what it targets "
-                "(vLLM %s; see the module's docstring)",
+                "grpo-specdec patch %s not applied: vLLM %s on %s, Model Runner %s, is not "
+                "what it targets (vLLM %s; see the module's docstring)",
                 name,
                 vllm.__version__,
                 current_platform.device_type,
+                RUNNER,
                 patch.TARGET_VERSION,
             )
+
+
+def patch_name(patch) -> str:
+    """How PATCHED and SKIPPED name the patch module `patch`."""
+    return patch.__name__.rsplit(".", 1)[1]
+
+
+def applied(patch) -> bool:
+    """Whether the patch module `patch` is applied in this process, after loading vLLM's
+    general plugins (this one among them) as vLLM does when it builds engine arguments."""
+    from vllm_plugin import compat
+
+    compat.load_general_plugins()
+    return patch_name(patch) in PATCHED

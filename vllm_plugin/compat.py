@@ -54,3 +54,29 @@ def enable_multiprocess_metrics() -> None:
 
     setup_multiprocess_prometheus()
     values.ValueClass = values.MultiProcessValue()
+
+
+def v2_model_runner_setting() -> bool | None:
+    """VLLM_USE_V2_MODEL_RUNNER as vLLM 0.32.0 parses it (`vllm.envs.environment_variables`,
+    read afresh: `vllm.envs` caches its reads once an engine runs): None where unset, when
+    `VllmConfig.use_v2_model_runner` decides by itself."""
+    from vllm import envs
+
+    return envs.environment_variables["VLLM_USE_V2_MODEL_RUNNER"]()
+
+
+def has_triton() -> bool:
+    """Whether vLLM 0.32.0 runs Triton kernels in this process: the `HAS_TRITON` that
+    `vllm.config.vllm` imports and `VllmConfig.use_v2_model_runner` reads (V2 by default
+    where it is true; false on CPU)."""
+    from vllm.config import vllm as config_module
+
+    return config_module.HAS_TRITON
+
+
+def load_general_plugins() -> None:
+    """Run vLLM 0.32.0's `vllm.general_plugins` entry points in this process, once, as vLLM
+    does before it builds engine arguments (`vllm.plugins.load_general_plugins`)."""
+    from vllm.plugins import load_general_plugins as load
+
+    load()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_plugin.patches import running_on_cpu
+from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 
 TARGET_VERSION = "0.32.0"
 
@@ -36,7 +36,7 @@ def expand_kernel_impl(
 
 
 def applies() -> bool:
-    return running_on_cpu(TARGET_VERSION)
+    return running_on_cpu(TARGET_VERSION) and runs_v1_model_runner()
 
 
 def apply() -> bool:

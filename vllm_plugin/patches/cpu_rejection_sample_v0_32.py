@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_plugin.patches import running_on_cpu
+from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 
 TARGET_VERSION = "0.32.0"
 # Attribute of a draft-probabilities tensor in a reduced vocabulary: its columns' target ids.
@@ -153,7 +153,7 @@ def inverse_cdf(weights, u):
 
 
 def applies() -> bool:
-    return running_on_cpu(TARGET_VERSION)
+    return running_on_cpu(TARGET_VERSION) and runs_v1_model_runner()
 
 
 def apply() -> bool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_plugin.patches import running_on_cpu
+from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 from vllm_plugin.patches.cpu_rejection_sample_v0_32 import VOCAB_IDS_ATTR, inverse_cdf
 
 TARGET_VERSION = "0.32.0"
@@ -87,7 +87,7 @@ def _get_spec_decode_draft_probs(self, spec_decode_metadata):
 
 
 def applies() -> bool:
-    return running_on_cpu(TARGET_VERSION)
+    return running_on_cpu(TARGET_VERSION) and runs_v1_model_runner()
 
 
 def apply() -> bool:

@@ -26,7 +26,8 @@ Kept inputs are bounded (`MAX_KEPT_BYTES`); beyond that, and where a request's
 positions stop being contiguous (preemption), the oldest are dropped: the draft then
 attends to stale KV there, which lowers acceptance but never changes outputs (every
 draft is verified by the target). Applies to EAGLE / EAGLE-3 chain drafting with one
-data-parallel and one pipeline rank; anything else keeps vLLM's behaviour.
+data-parallel and one pipeline rank, on vLLM's V1 model runner (V2 never calls these
+classes; see `patches/__init__.py`); anything else keeps vLLM's behaviour.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from vllm_plugin.patches import runs_v1_model_runner
 
 TARGET_VERSION = "0.32.0"
 ENABLED = True  # tests and benchmarks compare with vLLM's always-run path in one process
@@ -279,7 +282,7 @@ def _wrap_sample(original):
 def applies() -> bool:
     import vllm
 
-    return vllm.__version__ == TARGET_VERSION
+    return vllm.__version__ == TARGET_VERSION and runs_v1_model_runner()
 
 
 def apply() -> bool:

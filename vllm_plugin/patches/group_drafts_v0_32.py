@@ -16,7 +16,8 @@ The returned `DraftTokenIds` carries `grpo_sources` and `grpo_model_discarded` (
 request) so the concurrency-aware scheduler learns the model draft's acceptance from its
 own drafts only, counting a draft a group draft replaced as made and not accepted.
 
-Active when `GRPO_SPECDEC_CONTROLLER` has `group.enabled`; needs synchronous scheduling
+Active when `GRPO_SPECDEC_CONTROLLER` has `group.enabled`, on vLLM's V1 model runner (V2
+never calls this hook; see `patches/__init__.py`); needs synchronous scheduling
 (with async scheduling the runner feeds the model draft's device tensor to the next step
 and never reads these lists), which is vLLM's setting on CPU and for the `ngram` host.
 """
@@ -24,6 +25,8 @@ and never reads these lists), which is vLLM's setting on CPU and for the `ngram`
 from __future__ import annotations
 
 import logging
+
+from vllm_plugin.patches import runs_v1_model_runner
 
 TARGET_VERSION = "0.32.0"
 DRAFTER_ATTR = "_grpo_group"  # where the patched runner holds its GroupDrafter
@@ -52,7 +55,8 @@ def _build(runner):
     if runner.use_async_scheduling:
         raise ValueError(
             "group drafts need synchronous scheduling: start the engine with "
-            "async_scheduling=False (vLLM turns it on by default for EAGLE on GPU)"
+            "async_scheduling=False (`vllm serve --no-async-scheduling`; vLLM turns it on by "
+            "default for EAGLE on GPU)"
         )
     refuse_sampled_drafts(
         spec.draft_sample_method,
@@ -120,7 +124,7 @@ def _wrap_init(original):
 def applies() -> bool:
     import vllm
 
-    return vllm.__version__ == TARGET_VERSION
+    return vllm.__version__ == TARGET_VERSION and runs_v1_model_runner()
 
 
 def apply() -> bool:
