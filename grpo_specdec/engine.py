@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+import vllm_plugin
 from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.modelcheck import (
     check_draft_matches_target,
@@ -28,6 +29,7 @@ from grpo_specdec.modelcheck import (
 from grpo_specdec.swap_files import swap_file
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin.manifest import MixedWeightsError
+from vllm_plugin.patches import group_drafts_v0_32, runner_name
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.settings import ControllerSettings, refuse_sampled_drafts
 
@@ -268,6 +270,17 @@ class Engine:
             # The controller and the group drafter live in the engine core's process
             # (this one or a child); their settings travel in the environment.
             os.environ[CONTROLLER_ENV] = spec.controller.to_env()
+            if spec.controller.group.enabled:
+                if not vllm_plugin.applied(group_drafts_v0_32):
+                    raise ValueError(
+                        "speculative.controller.group.enabled: group drafts are a patch of "
+                        "vLLM 0.32's Model Runner V1, not applied in this process (Model "
+                        f"Runner {runner_name()}; VLLM_USE_V2_MODEL_RUNNER=1 or "
+                        "GRPO_SPECDEC_NO_PATCHES=1 turn it off)"
+                    )
+                # vLLM's default for EAGLE on GPU, async scheduling, feeds the drafter's own
+                # drafts to the next step and never reads the group's (the patch refuses it).
+                kwargs["async_scheduling"] = False
             if spec.concurrency_aware:
                 kwargs["scheduler_cls"] = self.SCHEDULER
                 # Tell vLLM k varies per step (it sizes CUDA graphs for every k).
