@@ -11,8 +11,10 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 import vllm
+import vllm.config.vllm as vllm_config_module
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.core_client import InprocClient
@@ -190,6 +192,24 @@ def test_the_worker_holds_the_runner_the_group_drafts_patch_builds_on(plain_engi
 
     assert plain_engine.llm.collective_rpc(drafter_slot) == [(True, None)]
     assert group_drafter(SimpleNamespace()) is None
+
+
+@pytest.mark.parametrize(("value", "parsed"), [(None, None), ("0", False), ("1", True)])
+def test_the_runner_setting_is_read_as_vllm_reads_it(monkeypatch, value, parsed):
+    if value is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    reread_environment()
+    assert compat.v2_model_runner_setting() is parsed
+    assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is parsed
+
+
+def test_has_triton_is_the_flag_vllms_runner_decision_reads(monkeypatch):
+    assert "HAS_TRITON" in vllm_config_module.VllmConfig.use_v2_model_runner.fget.__code__.co_names
+    for flag in (True, False):
+        monkeypatch.setattr(vllm_config_module, "HAS_TRITON", flag)
+        assert compat.has_triton() is flag
 
 
 # ---- no vLLM internals outside the adapters ----------------------------------------------

@@ -1,0 +1,209 @@
+"""Which vLLM model runner engines run, and which patches say they apply there.
+
+vLLM 0.32 runs Model Runner V2 by default wherever Triton runs (CUDA), and V2 calls none of
+the V1 classes the runner patches change. These tests stub the platform and Triton for CUDA
+(no GPU here) and ask vLLM's own decision, `VllmConfig.use_v2_model_runner`, which runner
+an engine then gets."""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+import vllm.config.vllm as vllm_config_module
+from vllm.config import VllmConfig
+from vllm.platforms import current_platform
+
+import vllm_plugin
+from grpo_specdec.engine import Engine
+from grpo_specdec.vllm_compat import reread_environment
+from tests.conftest import tiny_engine_config
+
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+V1_PATCHES = {"free_k0_v0_32", "group_drafts_v0_32"}
+CPU_V1_PATCHES = {
+    "cpu_expand_kernel_v0_32",
+    "cpu_rejection_sample_v0_32",
+    "cpu_sampled_drafts_v0_32",
+}
+CPU_PATCHES = {"cpu_onednn_release_v0_32", "cpu_compile_cache_v0_32", "cpu_kernel_scan_v0_32"}
+
+
+def unset_until_teardown(monkeypatch, name: str) -> None:
+    """Unset `name` now and restore it after the test, whatever sets it in between
+    (`monkeypatch.delenv` records nothing for a variable that is not set)."""
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+
+
+def vllm_runs_v2() -> bool:
+    """vLLM's decision for an engine with none of the features V2 lacks."""
+    reread_environment()
+    config = SimpleNamespace(
+        attention_config=SimpleNamespace(hisparse_config=None),
+        watermark_config=None,
+        _get_v2_model_runner_unsupported_features=lambda: [],
+    )
+    return VllmConfig.use_v2_model_runner.fget(config)
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch):
+    """The plugin as a fresh process loads it, the patches already installed staying
+    installed (each apply() is idempotent); VLLM_USE_V2_MODEL_RUNNER restored after."""
+    monkeypatch.delenv("GRPO_SPECDEC_NO_PATCHES", raising=False)
+    unset_until_teardown(monkeypatch, RUNNER_ENV)
+    monkeypatch.setattr(vllm_plugin, "RUNNER", None, raising=False)
+    monkeypatch.setattr(vllm_plugin, "PATCHED", [])
+    monkeypatch.setattr(vllm_plugin, "SKIPPED", [])
+    yield
+    reread_environment()
+
+
+@pytest.fixture
+def on_cuda(monkeypatch, fresh_plugin):
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "device_type", "cuda")
+
+
+def register(caplog) -> list[str]:
+    with caplog.at_level(logging.INFO, logger="vllm_plugin"):
+        vllm_plugin.register()
+    return [r.getMessage() for r in caplog.records if r.name.startswith("vllm_plugin")]
+
+
+def test_on_cuda_vllm_alone_runs_v2(on_cuda):
+    assert vllm_runs_v2()
+
+
+def test_on_cuda_the_plugin_selects_v1_and_applies_its_runner_patches(on_cuda, caplog):
+    lines = register(caplog)
+    assert vllm_runs_v2() is False
+    assert vllm_plugin.RUNNER == "V1"
+    assert set(vllm_plugin.PATCHED) == V1_PATCHES
+    assert set(vllm_plugin.SKIPPED) == CPU_V1_PATCHES | CPU_PATCHES
+    chose = [line for line in lines if "Model Runner V1" in line and f"{RUNNER_ENV}=0" in line]
+    assert len(chose) == 1, lines
+    vllm_plugin.register()  # vLLM loads plugins once a process, but a second call is harmless
+    assert set(vllm_plugin.PATCHED) == V1_PATCHES
+
+
+@pytest.mark.parametrize("platform", ["cuda", "cpu"])
+def test_a_user_who_forces_v2_gets_no_v1_patch_and_a_warning_naming_what_is_lost(
+    platform, request, fresh_plugin, monkeypatch, caplog
+):
+    if platform == "cuda":
+        request.getfixturevalue("on_cuda")
+    monkeypatch.setenv(RUNNER_ENV, "1")
+    lines = register(caplog)
+    assert vllm_runs_v2()
+    assert not (V1_PATCHES | CPU_V1_PATCHES) & set(vllm_plugin.PATCHED)
+    assert set(vllm_plugin.PATCHED) == (CPU_PATCHES if platform == "cpu" else set())
+    assert vllm_plugin.RUNNER == "V2"
+    warning = [line for line in lines if f"Model Runner V2 ({RUNNER_ENV}=1)" in line]
+    assert len(warning) == 1, lines
+    assert "group drafts never draft" in warning[0] and "k = 0" in warning[0]
+    for name in V1_PATCHES:
+        assert any(
+            f"patch {name} not applied" in line and "Model Runner V2" in line for line in lines
+        )
+
+
+def test_a_user_who_chooses_v1_keeps_it(on_cuda, monkeypatch, caplog):
+    monkeypatch.setenv(RUNNER_ENV, "0")
+    lines = register(caplog)
+    assert set(vllm_plugin.PATCHED) == V1_PATCHES
+    assert not any("Model Runner V1 (" in line for line in lines)  # nothing chosen for them
+
+
+def test_on_cpu_v1_runs_without_the_plugin_choosing(fresh_plugin):
+    vllm_plugin.register()
+    assert RUNNER_ENV not in os.environ
+    assert vllm_runs_v2() is False
+    assert set(vllm_plugin.PATCHED) == V1_PATCHES | CPU_V1_PATCHES | CPU_PATCHES
+
+
+def test_no_patches_leaves_vllm_to_choose(on_cuda, monkeypatch):
+    monkeypatch.setenv("GRPO_SPECDEC_NO_PATCHES", "1")
+    vllm_plugin.register()
+    assert vllm_runs_v2()
+    assert vllm_plugin.PATCHED == []
+
+
+def test_on_another_vllm_the_plugin_leaves_the_runner_to_it(on_cuda, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.1")
+    vllm_plugin.register()
+    assert vllm_runs_v2()
+    assert vllm_plugin.PATCHED == []
+
+
+def test_the_cpu_engine_runs_the_v1_runner_the_patches_change(eagle_engine):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert eagle_engine.llm.llm_engine.vllm_config.use_v2_model_runner is False
+    assert eagle_engine.llm.collective_rpc(
+        lambda worker: isinstance(worker.model_runner, GPUModelRunner)
+    ) == [True]
+
+
+# ---- engine arguments ------------------------------------------------------------------------
+class EngineArgsSeen(Exception):
+    pass
+
+
+def engine_kwargs(monkeypatch, cfg) -> dict:
+    """The arguments `Engine(cfg)` gives vLLM's LLM (the engine is not started)."""
+    import vllm
+
+    seen = {}
+
+    def llm(**kwargs):
+        seen.update(kwargs)
+        raise EngineArgsSeen
+
+    monkeypatch.setattr(vllm, "LLM", llm)
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "GRPO_SPECDEC_CONTROLLER"):
+        unset_until_teardown(monkeypatch, name)  # Engine sets them
+    with pytest.raises(EngineArgsSeen):
+        Engine(cfg)
+    return seen
+
+
+def group_config(target: str, draft: str | None):
+    speculative = {"draft": draft, "k": 3, "controller": {"group": {"enabled": True}}}
+    return tiny_engine_config(target, draft, speculative=speculative)
+
+
+@pytest.mark.parametrize("with_draft", [True, False])
+def test_group_drafts_turn_async_scheduling_off(monkeypatch, tiny_target, tiny_draft, with_draft):
+    kwargs = engine_kwargs(
+        monkeypatch, group_config(tiny_target, tiny_draft if with_draft else None)
+    )
+    assert kwargs["async_scheduling"] is False
+
+
+def test_without_group_drafts_vllm_chooses_the_scheduling(monkeypatch, tiny_target, tiny_draft):
+    kwargs = engine_kwargs(monkeypatch, tiny_engine_config(tiny_target, tiny_draft))
+    assert "async_scheduling" not in kwargs
+
+
+def test_group_drafts_refuse_an_engine_on_v2(on_cuda, monkeypatch, tiny_target, tiny_draft):
+    monkeypatch.setenv(RUNNER_ENV, "1")
+    vllm_plugin.register()
+    with pytest.raises(
+        ValueError, match=r"group.enabled.*Model Runner V2.*VLLM_USE_V2_MODEL_RUNNER"
+    ):
+        engine_kwargs(monkeypatch, group_config(tiny_target, tiny_draft))
+
+
+def test_group_drafts_start_on_the_v1_runner_the_plugin_selects(
+    on_cuda, monkeypatch, tiny_target, tiny_draft
+):
+    vllm_plugin.register()
+    kwargs = engine_kwargs(monkeypatch, group_config(tiny_target, tiny_draft))
+    assert kwargs["async_scheduling"] is False
