@@ -173,7 +173,10 @@ def test_multiprocess_metrics_write_to_the_directory_vllm_sets_up(monkeypatch):
     from prometheus_client import values
     from vllm.v1.metrics import prometheus as vllm_prometheus
 
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    # setenv first: delenv of an unset variable records nothing to undo, and the folder
+    # vLLM sets would leak into later tests' subprocesses.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
     monkeypatch.setattr(values, "ValueClass", values.ValueClass)
     monkeypatch.setattr(vllm_prometheus, "_prometheus_multiproc_dir", None)
     compat.enable_multiprocess_metrics()
