@@ -126,8 +126,10 @@ def _profile(args) -> None:
 
 def _train(args) -> None:
     from grpo_specdec.config import load_yaml
+    from grpo_specdec.job.compare import comparison_table
     from grpo_specdec.job.config import TrainConfig
-    from grpo_specdec.job.run import Job, comparison_table, summary_table
+    from grpo_specdec.job.metrics import summary_table
+    from grpo_specdec.job.run import Job
 
     overrides = list(args.overrides)
     if args.ray_address:
@@ -143,6 +145,7 @@ def _train(args) -> None:
     if comparison:
         r = cfg.rollout
         print(comparison_table(comparison, r.prompts_per_iteration, r.group_size))
+    print(job.vllm_log.summary())
     print(cfg.out)
 
 

@@ -1,5 +1,6 @@
-"""Ray actors: the plain role classes, unchanged, placed by Ray in one placement group
-per role (N engines, N policy ranks, one draft learner).
+"""Ray for the job: starting it (or joining a cluster), and the plain role classes,
+unchanged, as actors placed by Ray in one placement group per role (N engines, N policy
+ranks, one draft learner).
 
 By default no CPUs are reserved: the roles take turns within an iteration, and a small
 machine must still fit them all. GPUs (and CPUs, if asked) are reserved per actor from
@@ -10,12 +11,16 @@ __init__.
 
 from __future__ import annotations
 
+import os
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from grpo_specdec.job.config import RaySettings
-from grpo_specdec.job.roles import DraftLearner, PolicyLearner, RolloutWorker
+from grpo_specdec.job.roles import DraftLearner, PolicyLearner
+from grpo_specdec.job.rollout_worker import RolloutWorker
+from grpo_specdec.runtime import runtime_env, worker_cpus_env
 
 ROLES = {"rollout": RolloutWorker, "policy": PolicyLearner, "draft": DraftLearner}
 # Ray refuses bundles of zero resources: a hundredth of a CPU makes an actor that
@@ -71,3 +76,31 @@ class Placement:
         for group in self.groups.values():
             remove_placement_group(group)
         self.groups = {}
+
+
+def start_ray(cfg: RaySettings, env_vars: dict[str, str]) -> None:
+    """Join the configured cluster, else start a local one on this machine's CPUs. Every
+    worker gets the runtime settings of this process and `env_vars`."""
+    if ray.is_initialized():
+        return
+    env = {
+        k: v
+        for k, v in runtime_env(dict(os.environ)).items()
+        if k in ("LD_PRELOAD", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+    }
+    # The learners' model loads and saves would each draw a progress bar on the console.
+    env["HF_HUB_DISABLE_PROGRESS_BARS"] = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    env.update(env_vars)
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env={"env_vars": env})
+    else:
+        ray.init(
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            runtime_env={
+                "env_vars": {**env, **worker_cpus_env()},
+                "worker_process_setup_hook": "grpo_specdec.runtime.restore_worker_cpus",
+            },
+            log_to_driver=True,
+        )

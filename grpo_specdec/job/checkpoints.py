@@ -1,12 +1,13 @@
-"""Checkpoint folders of the GRPO job: finding the newest complete one, checking one is
-whole before any work starts from it, making the one a resume starts from the newest, and
-replacing a folder the job writes whole."""
+"""Checkpoint folders of the GRPO job: writing one atomically, finding the newest complete
+one, checking one is whole before any work starts from it, making the one a resume starts
+from the newest (the only timeline), and replacing a folder the job writes whole."""
 
 from __future__ import annotations
 
 import json
 import os
 import pickle
+import random
 import re
 import shutil
 import zipfile
@@ -19,6 +20,80 @@ from grpo_specdec.modelcheck import check_model_dir
 LATEST = "latest"  # file naming the newest complete checkpoint, replaced atomically
 ABANDONED = "abandoned"  # where a resume moves the checkpoints of the timeline it leaves
 _ITERATION = re.compile(r"iter_(\d+)")
+
+
+class Checkpointer:
+    """The job's checkpoints folder: where a run starts from, and each checkpoint it writes."""
+
+    def __init__(self, root: Path, log=print):
+        self.root, self.log = root, log
+
+    def start_point(self, resume: str | None) -> Path | None:
+        """The checkpoint a run starts from: with `resume` (a run folder or a checkpoint),
+        that one, made the newest of this folder's timeline; without, none, and a folder
+        that holds checkpoints already is refused."""
+        if resume:
+            return resume_timeline(self.root, resume_point(Path(resume)), self.log)
+        if latest_checkpoint(self.root) is not None:
+            raise ValueError(
+                f"{self.root} already holds checkpoints: pass --resume {self.root.parent} "
+                "or choose another out"
+            )
+        return None
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.root)
+
+    def write(self, iteration: int, cursor: int, config: dict, save_roles) -> Path:
+        """Write everything needed to continue, atomically: a half-written checkpoint is
+        never named by `latest`, so the previous one stays loadable. `save_roles(folder)`
+        writes the roles' files into the folder."""
+        final = self.root / f"iter_{iteration:06d}"
+        # Resuming moved any later checkpoint aside: one found here is the one `latest`
+        # names (or the resume point), which a restart or resume still needs.
+        if final.exists():
+            raise FileExistsError(f"checkpoint {final} exists already; refusing to overwrite it")
+        tmp = self.root / f".tmp_{final.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_roles(tmp)
+        state = {
+            "iteration": iteration,
+            "cursor": cursor,
+            "python_rng": random.getstate(),
+            "config": config,
+        }
+        (tmp / "state.json").write_text(json.dumps(state))
+        os.replace(tmp, final)
+        point_latest_at(self.root, final)
+        return final
+
+    @staticmethod
+    def restore(ckpt: Path) -> tuple[int, int]:
+        """(iteration, data cursor) of checkpoint `ckpt`; Python's RNG back to its state."""
+        state = read_state(ckpt)
+        random.setstate(_tuplify(state["python_rng"]))
+        return state["iteration"], state["cursor"]
+
+
+def _tuplify(x):
+    """JSON turned the RNG state's tuples into lists; random.setstate wants tuples."""
+    return tuple(_tuplify(i) for i in x) if isinstance(x, list) else x
+
+
+def resume_point(path: Path) -> Path:
+    """The checkpoint `--resume path` names: path itself, or the newest in a run folder
+    (or in a checkpoints folder), checked whole."""
+    if (path / "state.json").is_file():
+        ckpt = path
+    else:
+        ckpt = latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(
+            f"--resume {path}: no checkpoint found (looked for {path}/checkpoints/{LATEST})"
+        )
+    check_checkpoint(ckpt)
+    return ckpt
 
 
 def latest_checkpoint(root: Path) -> Path | None:

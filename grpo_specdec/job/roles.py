@@ -1,8 +1,9 @@
-"""The three roles of the GRPO job as plain classes; `actors.py` wraps them for Ray.
+"""The GRPO job's two learners as plain classes; `actors.py` wraps them for Ray (the
+third role, the engine, is `rollout_worker.py`).
 
-RolloutWorker owns the vLLM engine. PolicyLearner owns the HF policy and its optimiser;
-its forward over a rollout yields both the log-probs GRPO needs and the hidden states
-the draft learns from. DraftLearner owns the EAGLE head and its trainer.
+PolicyLearner owns the HF policy and its optimiser; its forward over a rollout yields
+both the log-probs GRPO needs and the hidden states the draft learns from. DraftLearner
+owns the EAGLE head and its trainer.
 """
 
 from __future__ import annotations
@@ -20,123 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
 from grpo_specdec.draft.head import DraftHead, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
-from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, SpecCounters
 from grpo_specdec.grpo.core import grpo_loss, loss_stat_names
 from grpo_specdec.job import data_parallel
 from grpo_specdec.job.checkpoints import latest_checkpoint, load_learner_state
 from grpo_specdec.job.config import PolicySettings
 from grpo_specdec.job.precision import autocast_dtype
-
-# ---- rollout --------------------------------------------------------------------------
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list[list[int]]  # [prompt]
-    responses: list[list[list[int]]]  # [prompt][sample] token ids
-    texts: list[list[str]]
-    spec: dict
-    wall_s: float
-    k_steps: dict[int, int]  # steps per k chosen during this rollout
-    # With group drafts: draft and accepted tokens per source ("model", "group") in this
-    # rollout, and the history the drafter holds after it.
-    sources: dict | None = None
-
-    @staticmethod
-    def gather(parts: list[Rollout]) -> Rollout:
-        """Several engines' rollouts of consecutive prompt groups, in order, as one: the
-        engines ran side by side, so the wall time is the slowest one's."""
-        sources = None
-        if parts[0].sources is not None:
-            sources = {k: sum(p.sources[k] for p in parts) for k in parts[0].sources}
-        k_steps: dict[int, int] = {}
-        for part in parts:
-            for k, n in part.k_steps.items():
-                k_steps[k] = k_steps.get(k, 0) + n
-        return Rollout(
-            [x for p in parts for x in p.prompt_ids],
-            [x for p in parts for x in p.responses],
-            [x for p in parts for x in p.texts],
-            SpecCounters.combined([p.spec for p in parts]),
-            max(p.wall_s for p in parts),
-            k_steps,
-            sources,
-        )
-
-    def summary(self) -> dict:
-        """This rollout's figures for the metrics (one engine's, in a multi-engine job)."""
-        tokens = sum(len(s) for group in self.responses for s in group)
-        return {
-            "prompts": len(self.prompt_ids),
-            "tokens": tokens,
-            "wall_s": self.wall_s,
-            "tokens_per_s": tokens / self.wall_s,
-            "mean_acceptance_length": self.spec["mean_acceptance_length"],
-            "k_steps": {str(k): n for k, n in sorted(self.k_steps.items())},
-        }
-
-
-class RolloutWorker:
-    def __init__(self, engine_cfg: dict, weight_versions: dict[str, int]):
-        """`weight_versions`: the learners' versions of the weights the engine starts from
-        (a checkpoint's, after a resume), so later swaps and lags count on from them."""
-        self.engine = Engine(EngineConfig.model_validate(engine_cfg))
-        self.engine.declare_weight_versions(weight_versions)
-
-    def rollout(
-        self, prompts: list[str], sampling: dict, seeds: list[int] | None = None
-    ) -> Rollout:
-        scheduler = self._aware_scheduler()
-        mark = scheduler.steps_scheduled if scheduler is not None else 0
-        before = self.engine.group_draft_stats() if self.engine.cfg.speculative else None
-        res = self.engine.generate(prompts, SamplingSettings.model_validate(sampling), seeds=seeds)
-        k_steps: dict[int, int] = {}
-        for _, _, k, _ in scheduler.steps_since(mark) if scheduler is not None else []:
-            k_steps[k] = k_steps.get(k, 0) + 1
-        return Rollout(
-            res.prompt_token_ids,
-            [[s.token_ids for s in g] for g in res.outputs],
-            [[s.text for s in g] for g in res.outputs],
-            res.spec,
-            res.wall_s,
-            k_steps,
-            before and _source_counts(before, self.engine.group_draft_stats()),
-        )
-
-    def _aware_scheduler(self):
-        spec = self.engine.cfg.speculative
-        if (
-            spec is None
-            or not spec.concurrency_aware
-            or self.engine.cfg.engine_process != "in_process"
-        ):
-            return None
-        return self.engine.scheduler()
-
-    def load_weights(
-        self, role: str, weights: dict, version: int, metadata: dict | None = None
-    ) -> dict:
-        return self.engine.swap_weights(role, weights, version, metadata)
-
-    def versions(self) -> dict[str, int]:
-        return self.engine.weight_versions()
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
-
-
-def _source_counts(before: dict, after: dict) -> dict:
-    """Flat counts for the metrics: {source}_draft_tokens / _accepted_tokens over one
-    rollout, and the group history's size after it."""
-    counts = {
-        f"{source}_{what}": after["sources"][source][what] - before["sources"][source][what]
-        for source in after["sources"]
-        for what in ("draft_tokens", "accepted_tokens")
-    }
-    counts["group_history_positions"] = after["history_positions"]
-    counts["group_history_mib"] = after["history_bytes"] / 2**20
-    return counts
-
 
 # ---- policy ---------------------------------------------------------------------------
 
@@ -149,6 +38,19 @@ class PolicyBatch:
     prompt_lens: list[int]
     advantages: list[float]
     informative: list[bool]  # groups with reward variance; the others train only the draft
+
+    @staticmethod
+    def of(rollout, advantages: torch.Tensor, informative: torch.Tensor) -> PolicyBatch:
+        """A rollout's sequences (prompt + response), with their [prompt, sample] advantages
+        and whether their group is informative."""
+        batch = PolicyBatch([], [], [], [])
+        for g, prompt in enumerate(rollout.prompt_ids):
+            for s, response in enumerate(rollout.responses[g]):
+                batch.token_ids.append(prompt + response)
+                batch.prompt_lens.append(len(prompt))
+                batch.advantages.append(float(advantages[g, s]))
+                batch.informative.append(bool(informative[g]))
+        return batch
 
 
 @dataclass

@@ -1,0 +1,76 @@
+"""What the job's engines start with: the engine config made from the job's, its context
+length checked up front, and the latency profile concurrency-aware rollouts need."""
+
+from __future__ import annotations
+
+from grpo_specdec.job.config import TrainConfig
+from grpo_specdec.modelcheck import resolve_max_model_len
+from vllm_plugin.settings import profile_key, store_path
+
+
+def check_context_length(cfg: TrainConfig, policy: str, draft: str | None) -> None:
+    """The engine checks its context length against the model too, but only inside its
+    actor, once Ray and both learners have started: say it here, by the config's name."""
+    r = cfg.rollout
+    try:
+        resolve_max_model_len(
+            r.max_model_len, policy, r.kv_cache_gib, cfg.model.engine_dtype, draft or None
+        )
+    except ValueError as err:
+        raise ValueError(f"rollout.max_model_len: {err}") from None
+
+
+def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> str | None:
+    """The profile the controller reads: the configured one, or where a concurrency-aware
+    rollout needs one, this model's on this hardware from the profile store, measured
+    first if it is missing. Named explicitly even then: after a resume the engine serves
+    a checkpoint folder, not the base model the store knows it by."""
+    r = cfg.rollout
+    if r.speculation != "concurrency_aware" or r.controller.policy == "fixed":
+        return r.controller.profile
+    if r.controller.profile:
+        return r.controller.profile
+    from grpo_specdec.profile import ProfileConfig, run_profile
+
+    path = store_path(profile_key(policy, cfg.model.engine_dtype, draft, r.draft_sampling))
+    if not path.is_file():
+        log(f"no latency profile for {policy} on this hardware yet: profiling it first")
+        run_profile(
+            ProfileConfig(
+                model=policy,
+                draft=draft,
+                draft_sampling=r.draft_sampling,
+                dtype=cfg.model.engine_dtype,
+                k_max=r.k,
+                enforce_eager=r.enforce_eager,
+            ),
+            path,
+            log=log,
+        )
+    return str(path)
+
+
+def engine_config(
+    cfg: TrainConfig, policy_dir: str, draft_dir: str | None, profile: str | None
+) -> dict:
+    """The EngineConfig fields of an engine serving `policy_dir` (with `draft_dir`)."""
+    r = cfg.rollout
+    spec = None
+    if r.speculation != "off":
+        spec = {
+            "draft": draft_dir,
+            "k": r.k,
+            "draft_sampling": r.draft_sampling,
+            "concurrency_aware": r.speculation == "concurrency_aware",
+            "controller": {**r.controller.model_dump(), "profile": profile},
+        }
+    return {
+        "model": policy_dir,
+        "dtype": cfg.model.engine_dtype,
+        "max_model_len": r.max_model_len,
+        "max_num_seqs": max(r.prompts_per_iteration * r.group_size, 8),
+        "kv_cache_gib": r.kv_cache_gib,
+        "seed": cfg.seed,
+        "enforce_eager": r.enforce_eager,
+        "speculative": spec,
+    }

@@ -1,0 +1,234 @@
+"""The job's roles as Ray actors, and their lifecycle: placed once, started from a
+checkpoint or the configured models, killed and started again after a failure; and what
+the job asks of them each iteration (roll out, learn, publish the weights, save).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from grpo_specdec.job.actors import Placement
+from grpo_specdec.job.batches import Batch
+from grpo_specdec.job.checkpoints import replace_dir
+from grpo_specdec.job.config import TrainConfig
+from grpo_specdec.job.data_parallel import shard
+from grpo_specdec.job.engine_setup import engine_config, latency_profile
+from grpo_specdec.job.roles import PolicyBatch
+from grpo_specdec.job.rollout_worker import Rollout
+from grpo_specdec.job.weight_sync import WeightSync
+
+
+class Roles:
+    """N engines (`rollouts`), N policy ranks (`policies`, rank 0 publishes) and, when the
+    draft trains online or is new, a draft learner (`draft`)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        base_policy: str,
+        base_draft: str | None,
+        out: Path,
+        weight_dtype: str,
+        log=print,
+    ):
+        self.cfg, self.out, self.weight_dtype, self.log = cfg, out, weight_dtype, log
+        self.base_policy, self.base_draft = base_policy, base_draft
+        self.checkpoints = out / "checkpoints"
+        self.placement = Placement(cfg.ray, draft=self._has_draft_learner(cfg.model.draft))
+        self.rollouts, self.policies, self.draft = [], [], None
+        self.engine_cfg: dict = {}
+        self.profile: str | None = None
+        self.weights: WeightSync | None = None
+
+    def _has_draft_learner(self, draft_dir: str | None) -> bool:
+        """A learner when the draft trains online, or to create a new head for the engine."""
+        cfg = self.cfg
+        return cfg.rollout.speculation != "off" and (cfg.draft.online or not draft_dir)
+
+    def start(self, ckpt: Path | None) -> int:
+        """Start every role from checkpoint `ckpt`, or from the configured models; returns
+        the newest draft version issued."""
+        cfg, place = self.cfg, self.placement
+        policy_dir, draft_dir = self.base_policy, self.base_draft
+        if ckpt is not None:
+            policy_dir, draft_dir = str(ckpt / "policy"), str(ckpt / "draft")
+        if self._has_draft_learner(draft_dir):
+            self.draft = place.actor("draft", max_restarts=-1).remote(
+                self.base_policy,
+                draft_dir,
+                cfg.draft.train,
+                cfg.model.device,
+                cfg.seed,
+                str(self.checkpoints),
+            )
+            if not draft_dir:  # a new head: the engine needs it on disk to start
+                draft_dir = self.base_draft = self._save_initial_head()
+        self.policies = [
+            place.actor("policy", rank).remote(
+                self.base_policy, cfg.policy, cfg.model.device, cfg.model.train_dtype, cfg.seed
+            )
+            for rank in range(cfg.ray.policy_workers)
+        ]
+        if len(self.policies) > 1:
+            address = ray.get(self.policies[0].rendezvous.remote())
+            world = len(self.policies)
+            ray.get([p.join.remote(address, rank, world) for rank, p in enumerate(self.policies)])
+        if ckpt is not None:
+            ray.get([p.load.remote(ckpt) for p in self.policies])
+        self.profile = self.profile or latency_profile(cfg, self.base_policy, draft_dir, self.log)
+        self.engine_cfg = engine_config(cfg, policy_dir, draft_dir, self.profile)
+        # The engines start from the weights the learners hold now: they report their versions.
+        learners = {"policy": self.policies[0], "draft": self.draft}
+        learners = {role: a for role, a in learners.items() if a is not None}
+        status = ray.get([a.status.remote() for a in learners.values()])
+        versions = {role: s["version"] for role, s in zip(learners, status, strict=True)}
+        self.rollouts = [
+            place.actor("rollout", i).remote(self.engine_cfg, versions)
+            for i in range(cfg.ray.rollout_workers)
+        ]
+        # Start-up (model loads, engine compile) must not count in the first iteration's times.
+        ray.get([a.__ray_ready__.remote() for a in self.actors()])
+        self.weights = WeightSync(self.rollouts, self._served_at_start(versions), self.log)
+        return versions.get("draft", 0)
+
+    def _save_initial_head(self) -> str:
+        head = self.out / "initial_draft"
+        staging = self.out / "initial_draft_state"
+        shutil.rmtree(staging, ignore_errors=True)
+        ray.get(self.draft.save.remote(staging))
+        replace_dir(staging / "draft", head)  # e.g. an earlier run's head
+        shutil.rmtree(staging)
+        return str(head)
+
+    def _served_at_start(self, versions: dict[str, int]) -> dict:
+        """role -> (weights in the object store, version, metadata) the engines start with,
+        for a failed swap to put back; with one engine there is nothing to put back."""
+        if len(self.rollouts) == 1:
+            return {}
+        served = {
+            "policy": (
+                self.policies[0].export_weights.remote(self.weight_dtype),
+                versions["policy"],
+                None,
+            )
+        }
+        if self.draft is not None and self.cfg.draft.online:
+            weights, meta, _, _ = self.draft.export.options(num_returns=4).remote()
+            served["draft"] = (weights, versions["draft"], ray.get(meta))
+        return served
+
+    def actors(self) -> list:
+        return [*self.rollouts, *self.policies, *([self.draft] if self.draft else [])]
+
+    def kill(self) -> None:
+        for actor in self.actors():
+            ray.kill(actor, no_restart=True)
+        self.rollouts, self.policies, self.draft = [], [], None
+
+    # ---- each iteration --------------------------------------------------------------
+    def roll_out(self, batch: Batch) -> list[Rollout]:
+        """Consecutive prompt groups to each engine, side by side; their rollouts in order."""
+        prompts, seeds, n = batch.prompts, batch.seeds, len(self.rollouts)
+        parts = [shard(len(prompts), i, n) for i in range(n)]
+        return get_failing_fast(
+            [
+                engine.rollout.remote(
+                    [prompts[i] for i in part], batch.sampling, seeds and [seeds[i] for i in part]
+                )
+                for engine, part in zip(self.rollouts, parts, strict=True)
+            ]
+        )
+
+    def learn(self, batch: PolicyBatch, draft_version: int) -> Learning:
+        """Both learners start on one rollout: the policy ranks' forward and update, and
+        beside them the draft's training on the hidden states of that forward."""
+        batch = ray.put(batch)  # once, for every rank
+        shards = [p.prepare.remote(batch) for p in self.policies]
+        updates = [p.update.remote() for p in self.policies]
+        online = self.draft is not None and self.cfg.draft.online
+        draft_job = (
+            self.draft.train.remote(*shards, after_version=draft_version) if online else None
+        )
+        return Learning(self, shards, updates, draft_job, draft_version)
+
+    def publish(self, policy_stats: dict, draft_stats: dict, iteration: int) -> tuple[dict, dict]:
+        """The learners' new weights into every engine: (role -> load figures, what to add
+        to the draft's statistics)."""
+        sync, draft_facts = {}, {}
+        if policy_stats.get("policy_steps"):
+            weights = self.policies[0].export_weights.remote(self.weight_dtype)
+            version = policy_stats["policy_version"]
+            sync["policy"] = self.weights.policy(weights, version, iteration, self.checkpoints)
+        if draft_stats.get("draft_steps"):
+            weights, *facts = self.draft.export.options(num_returns=4).remote()
+            meta, version, trained_on = ray.get(facts)  # the weights stay in the object store
+            loaded, error = self.weights.draft(weights, version, meta, iteration)
+            if error is None:
+                sync["draft"], draft_facts["draft_trained_on_policy"] = loaded, trained_on
+            else:
+                draft_facts["draft_swap_error"] = error
+        return sync, draft_facts
+
+    def save(self, folder: Path) -> None:
+        """The roles' part of a checkpoint: the policy (every rank holds the same), the
+        draft learner's head and state, or the frozen head the engines serve."""
+        jobs = [self.policies[0].save.remote(folder)]
+        if self.draft is not None:
+            jobs.append(self.draft.save.remote(folder))
+        ray.get(jobs)
+        if self.draft is None and self.engine_cfg["speculative"]:
+            shutil.copytree(self.engine_cfg["speculative"]["draft"], folder / "draft")
+
+    def shutdown(self) -> None:
+        ray.get([engine.shutdown.remote() for engine in self.rollouts])
+        ray.get([rank.shutdown.remote() for rank in self.policies])
+        self.placement.remove()
+
+
+@dataclass
+class Learning:
+    """One rollout being learned from: the policy ranks' updates and the draft's training."""
+
+    roles: Roles
+    shards: list  # the policy forward's hidden states, a shard per rank
+    updates: list
+    draft_job: object | None
+    draft_version: int  # the newest the job has issued
+
+    def policy(self) -> dict:
+        return get_failing_fast(self.updates)[0]  # every rank returns the whole batch's
+
+    def draft(self, iteration: int, restart_timeout_s: float = 300.0) -> dict:
+        """The draft's training statistics; a learner that died meanwhile is restarted by
+        Ray from its last checkpoint and trains on this rollout again."""
+        if self.draft_job is None:
+            return {}
+        deadline = time.monotonic() + restart_timeout_s
+        job = self.draft_job
+        while True:
+            try:
+                return ray.get(job)
+            except ray.exceptions.RayActorError as err:
+                if time.monotonic() > deadline:
+                    raise
+                self.roles.log(
+                    f"iteration {iteration}: the draft learner is down ({type(err).__name__}); "
+                    "Ray restarts it from its last checkpoint; training it on this rollout again"
+                )
+                time.sleep(1.0)
+                job = self.roles.draft.train.remote(*self.shards, after_version=self.draft_version)
+
+
+def get_failing_fast(refs: list) -> list:
+    """ray.get of every ref, raising as soon as one fails: a rank whose peer died would
+    otherwise hold the caller in a collective until the group's timeout."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return ray.get(list(refs))

@@ -1,0 +1,97 @@
+"""vLLM's messages in a log file of the run, not on the console.
+
+vLLM warns at length about settings this project makes on purpose (eager mode, no
+Triton on CPU, a custom scheduler, ...) and, on every weight swap, once per layer it
+reloads without a parameter of its own ("Failed to load weights": tied or rotary layers;
+the outputs match). Each of these reaches the console from every engine, Ray forwarding
+the actors' output, and buries the progress and the tables a user came for. So every
+vLLM record goes to OUT/vllm.log, only errors also to the console, and the job ends
+with a count of the warnings in the file. vLLM's processes take the same handlers from
+a logging config file (VLLM_LOGGING_CONFIG_PATH); this process gets them directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+LOG_NAME = "vllm.log"
+_FORMAT = "%(asctime)s pid=%(process)d %(levelname)s [%(name)s:%(lineno)d] %(message)s"
+_RECORD_START = re.compile(r"^\S+ \S+ pid=\d+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+
+
+def file_handler(path: str) -> logging.Handler:
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter(_FORMAT))
+    return handler
+
+
+def console_handler() -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.ERROR)
+    handler.setFormatter(logging.Formatter("%(levelname)s [%(name)s] %(message)s"))
+    return handler
+
+
+class VllmLog:
+    """Routes vLLM's records of this process and of the job's workers to `out`/vllm.log
+    until `close`, which gives this process's vLLM logger back its own handlers."""
+
+    def __init__(self, out: Path, level: str = "INFO"):
+        """`level`: the least severe level the file keeps."""
+        self.path = out / LOG_NAME
+        self.level = level
+        config_file = out / "vllm_logging.json"
+        config_file.write_text(json.dumps(self._config(), indent=1))
+        self.worker_env = {
+            "VLLM_LOGGING_CONFIG_PATH": str(config_file),
+            "VLLM_LOGGING_LEVEL": self.level,
+        }
+        self._logger = logging.getLogger("vllm")
+        self._saved = (self._logger.handlers[:], self._logger.level, self._logger.propagate)
+        self._handlers = [file_handler(str(self.path)), console_handler()]
+        self._logger.handlers = self._handlers[:]
+        self._logger.setLevel(self.level)
+        self._logger.propagate = False
+
+    def _config(self) -> dict:
+        """The same handlers as a logging.config dictionary, for vLLM to load."""
+        return {
+            "version": 1,
+            "disable_existing_loggers": False,
+            "handlers": {
+                "file": {"()": f"{__name__}.file_handler", "path": str(self.path)},
+                "console": {"()": f"{__name__}.console_handler"},
+            },
+            "loggers": {
+                "vllm": {"handlers": ["file", "console"], "level": self.level, "propagate": False}
+            },
+        }
+
+    def counts(self) -> dict[str, int]:
+        """Records in the log file per level."""
+        counts: dict[str, int] = {}
+        if self.path.is_file():
+            with self.path.open(encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if m := _RECORD_START.match(line):
+                        counts[m[1]] = counts.get(m[1], 0) + 1
+        return counts
+
+    def summary(self) -> str:
+        counts = self.counts()
+        return (
+            f"vLLM: {counts.get('WARNING', 0)} warnings, "
+            f"{counts.get('ERROR', 0) + counts.get('CRITICAL', 0)} errors in {self.path}"
+        )
+
+    def close(self) -> None:
+        handlers, level, propagate = self._saved
+        self._logger.handlers = handlers
+        self._logger.setLevel(level)
+        self._logger.propagate = propagate
+        for handler in self._handlers:
+            handler.close()

@@ -1,0 +1,146 @@
+"""Where each iteration's record goes: metrics.jsonl (one line per iteration, each
+iteration once), TensorBoard and the progress bar; and the record itself, and the
+first-vs-last summary printed at the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+
+def iteration_record(
+    iteration: int,
+    rewards: torch.Tensor,
+    correct: torch.Tensor,
+    informative: torch.Tensor,
+    rollout,
+    per_engine: list,
+    seconds: dict[str, float],
+    versions: dict[str, int],
+    policy_stats: dict,
+    draft_stats: dict,
+    sync: dict[str, dict],
+) -> dict:
+    """One iteration's metrics. `rewards`, `correct`: [prompt, sample]; `rollout`: the
+    engines' rollouts gathered; `seconds`: the iteration's phases; `sync`: role -> its
+    weight load's figures."""
+    n_tokens = sum(len(x) for g in rollout.responses for x in g)
+    draft_stats = dict(draft_stats)
+    record = {
+        "iteration": iteration,
+        "reward_mean": float(rewards.mean()),
+        "rewards": [round(float(x), 4) for x in rewards.flatten()],
+        "accuracy": float(correct.mean()),
+        "informative_groups": int(informative.sum()),
+        "response_length": n_tokens / rewards.numel(),
+        "generation_s": seconds["generation"],
+        "policy_update_s": seconds["policy_update"],
+        "draft_train_s": draft_stats.pop("draft_seconds", 0.0),
+        "draft_wait_s": seconds["draft_wait"],
+        "sync_s": seconds["sync"],
+        "iteration_s": sum(seconds.values()),
+        "tokens_per_s": n_tokens / rollout.wall_s,
+        "acceptance_rate": rollout.spec["acceptance_rate"],
+        "mean_acceptance_length": rollout.spec["mean_acceptance_length"],
+        "per_position_acceptance": rollout.spec["per_position_acceptance"],
+        "k_steps": {str(k): v for k, v in sorted(rollout.k_steps.items())},
+        **(rollout.sources or {}),
+        "engine_policy_version": versions["policy"],
+        "engine_draft_version": versions["draft"],
+        **policy_stats,
+        **draft_stats,
+    }
+    if len(per_engine) > 1:
+        record["engines"] = [part.summary() for part in per_engine]
+    if "draft_trained_on_policy" in record:
+        record["draft_policy_lag"] = versions["policy"] - record["draft_trained_on_policy"]
+    record["policy_sync_s"] = sync.get("policy", {}).get("total_s", 0.0)
+    record["draft_sync_s"] = sync.get("draft", {}).get("total_s", 0.0)
+    return record
+
+
+def truncate_records(path: Path, iteration: int) -> None:
+    """Drop records of iterations after `iteration` (a resume or restart point), so that
+    none is counted twice."""
+    if not path.is_file():
+        return
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["iteration"] <= iteration
+    ]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+class MetricsSink:
+    """One `Job.run`'s outputs: records appended to metrics.jsonl and TensorBoard as they
+    come, and a progress bar from `first` to `last` iteration."""
+
+    def __init__(self, out: Path, first: int, last: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = out / "metrics.jsonl"
+        self.tensorboard = SummaryWriter(str(out / "tensorboard"))
+        self.bar = tqdm(initial=first, total=last, desc="GRPO", unit="iter")
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.bar.close()
+        self.tensorboard.close()
+
+    def write(self, record: dict) -> None:
+        step = record["iteration"]
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        tb = self.tensorboard
+        for key, value in record.items():
+            if isinstance(value, int | float):
+                tb.add_scalar(key, value, step)
+        for i, p in enumerate(record["per_position_acceptance"]):
+            tb.add_scalar(f"per_position_acceptance/{i}", p, step)
+        for i, engine in enumerate(record.get("engines", [])):
+            for key in ("tokens_per_s", "mean_acceptance_length", "wall_s"):
+                tb.add_scalar(f"engine{i}/{key}", engine[key], step)
+        ks = [int(k) for k, n in record["k_steps"].items() for _ in range(n)]
+        if ks:
+            tb.add_histogram("k_chosen", torch.tensor(ks), step)
+        self.bar.update(1)
+        self.bar.set_postfix(
+            reward=f"{record['reward_mean']:.2f}",
+            mal=f"{record['mean_acceptance_length']:.2f}",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+        )
+
+    def rewind(self, iteration: int) -> None:
+        """The job went back to `iteration` (a restart): the bar shows it."""
+        self.bar.n = iteration
+        self.bar.refresh()
+
+
+def summary_table(records: list[dict]) -> str:
+    """Reward, acceptance length and generation tokens/s: first vs last iterations."""
+    if not records:
+        return "no iterations ran"
+    n = max(1, min(3, len(records) // 2))
+    first, last = records[:n], records[-n:]
+
+    def mean(rs, key):
+        return sum(r[key] for r in rs) / len(rs)
+
+    rows = [
+        ("reward mean", "reward_mean", ".3f"),
+        ("accuracy", "accuracy", ".3f"),
+        ("mean acceptance length", "mean_acceptance_length", ".2f"),
+        ("generation tokens/s", "tokens_per_s", ".1f"),
+        ("iteration seconds", "iteration_s", ".1f"),
+    ]
+    lines = [f"| metric | first {n} iterations | last {n} iterations |", "|---|---|---|"]
+    lines += [
+        f"| {name} | {mean(first, k):{fmt}} | {mean(last, k):{fmt}} |" for name, k, fmt in rows
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""The GRPO job's plain parts, without Ray or vLLM: the all-or-none weight sync, the
+checkpointer, the metrics records, the prompt batches and the vLLM log routing."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import random
+
+import pytest
+import torch
+from ray.exceptions import RayTaskError
+
+from grpo_specdec.job.batches import batch_at
+from grpo_specdec.job.checkpoints import Checkpointer
+from grpo_specdec.job.config import RolloutSettings
+from grpo_specdec.job.logs import VllmLog
+from grpo_specdec.job.metrics import truncate_records
+from grpo_specdec.job.weight_sync import WeightSync
+from vllm_plugin.manifest import MixedWeightsError
+
+# ---- weight sync: fake engines whose remote calls finish at once ---------------------
+
+
+class _Done:
+    """A finished remote call: its value, or the error Ray would raise for it."""
+
+    def __init__(self, value=None, error: Exception | None = None):
+        self.value, self.error = value, error
+
+
+def _get(refs):
+    if isinstance(refs, list):
+        return [_get(r) for r in refs]
+    if refs.error is not None:
+        raise RayTaskError("load_weights", "traceback", refs.error)
+    return refs.value
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _Engine:
+    """Serves one version per role; a load for which `fails(role, version)` is true fails
+    with `error`."""
+
+    def __init__(self, versions, fails=lambda role, version: False, error=None):
+        self.serving, self.fails, self.error = dict(versions), fails, error
+        self.load_weights = _Method(self._load)
+        self.versions = _Method(lambda: _Done(dict(self.serving)))
+
+    def _load(self, role, weights, version, metadata=None):
+        if self.fails(role, version):
+            return _Done(error=self.error or RuntimeError(f"injected {role} v{version} failure"))
+        self.serving[role] = version
+        return _Done({"total_s": 0.1 * version})
+
+
+def _fails_once(role):
+    calls = []
+
+    def fails(r, version):
+        calls.append(r)
+        return r == role and calls.count(role) == 1
+
+    return fails
+
+
+def _sync(*engines):
+    served = {"policy": ("w1", 1, None), "draft": ("d1", 1, {"m": 1})}
+    return WeightSync(list(engines), served, log=lambda _: None, get=_get)
+
+
+def test_a_load_reaches_every_engine_and_is_what_a_later_failure_restores():
+    a, b = _Engine({"policy": 1}), _Engine({"policy": 1})
+    sync = _sync(a, b)
+    assert sync.load("policy", "w2", 2) == {"total_s": pytest.approx(0.2)}
+    assert a.serving == b.serving == {"policy": 2}
+    assert sync.served["policy"] == ("w2", 2, None)
+    b.fails = _fails_once("policy")
+    with pytest.raises(RuntimeError, match="policy weight sync \\(version 3\\) failed: injected"):
+        sync.policy("w3", 3, iteration=7, checkpoints="runs/x/checkpoints")
+    # The engine that had loaded version 3 serves version 2 again: both agree.
+    assert a.serving == b.serving == {"policy": 2}
+    assert sync.versions() == {"policy": 2}
+
+
+def test_a_failed_draft_load_keeps_the_previous_draft_everywhere():
+    a, b = _Engine({"draft": 1}), _Engine({"draft": 1}, fails=_fails_once("draft"))
+    loaded, why = _sync(a, b).draft("d2", 2, {"m": 2}, iteration=3)
+    assert loaded == {} and "injected draft v2 failure" in why
+    assert a.serving == b.serving == {"draft": 1}
+
+
+def test_an_engine_that_may_hold_mixed_weights_is_the_error_raised():
+    mixed = MixedWeightsError("draft weights may be a mix")
+    a = _Engine({"draft": 1}, fails=lambda role, version: True)
+    b = _Engine({"draft": 1}, fails=lambda role, version: True, error=mixed)
+    with pytest.raises(RayTaskError) as err:
+        _sync(a, b).draft("d2", 2, {}, iteration=3)
+    assert err.value.cause is mixed
+
+
+def test_a_failed_restore_is_raised_from_the_load_failure():
+    restore_fails = _Engine({"draft": 1}, fails=lambda role, version: version == 1)
+    load_fails = _Engine({"draft": 1}, fails=lambda role, version: version == 2)
+    with pytest.raises(RayTaskError) as err:
+        _sync(restore_fails, load_fails).load("draft", "d2", 2)
+    assert "injected draft v1 failure" in str(err.value.cause)
+    assert "injected draft v2 failure" in str(err.value.__cause__.cause)
+
+
+def test_engines_serving_different_versions_are_refused():
+    sync = _sync(_Engine({"policy": 1}), _Engine({"policy": 2}))
+    with pytest.raises(RuntimeError, match="the engines serve different weight versions"):
+        sync.versions()
+
+
+# ---- checkpointer --------------------------------------------------------------------
+
+
+def _write(checkpointer, iteration, cursor=0):
+    def save_roles(folder):
+        (folder / "policy").mkdir()
+        (folder / "policy" / "weights").write_text(str(iteration))
+
+    return checkpointer.write(iteration, cursor, {"iterations": 9}, save_roles)
+
+
+def test_checkpoints_are_written_whole_named_latest_and_never_overwritten(tmp_path):
+    ckpts = Checkpointer(tmp_path / "checkpoints", log=lambda _: None)
+    assert ckpts.start_point(None) is None and ckpts.latest() is None
+    random.seed(5)
+    first = _write(ckpts, 1, cursor=4)
+    expected_draw = random.random()
+    assert ckpts.latest() == first
+    assert (first / "policy" / "weights").read_text() == "1"
+    assert not list(ckpts.root.glob(".tmp_*"))
+    with pytest.raises(FileExistsError, match="refusing to overwrite it"):
+        _write(ckpts, 1)
+    # A half-written checkpoint (its roles failed to save) is never named by `latest`.
+    with pytest.raises(OSError):
+        ckpts.write(2, 0, {}, lambda folder: (_ for _ in ()).throw(OSError("disk full")))
+    assert ckpts.latest() == first
+    # Restoring gives the place in the data, and Python's RNG as it was when written.
+    random.seed(99)
+    assert ckpts.restore(first) == (1, 4)
+    assert random.random() == expected_draw
+    # A run folder with checkpoints is not started over by accident.
+    with pytest.raises(ValueError, match=f"pass --resume {tmp_path} or choose another out"):
+        Checkpointer(tmp_path / "checkpoints").start_point(None)
+
+
+def test_a_resume_point_is_checked_whole_before_anything_moves(tmp_path):
+    ckpts = Checkpointer(tmp_path / "checkpoints", log=lambda _: None)
+    first, second = _write(ckpts, 1), _write(ckpts, 2)
+    with pytest.raises(ValueError, match=f"checkpoint {first} policy: .* holds no config.json"):
+        ckpts.start_point(str(first))
+    assert ckpts.latest() == second and second.is_dir()  # the timeline left as it was
+    with pytest.raises(FileNotFoundError, match="no checkpoint found"):
+        ckpts.start_point(str(tmp_path / "nowhere"))
+
+
+# ---- metrics, batches ------------------------------------------------------------------
+
+
+def test_truncate_records_keeps_each_iteration_up_to_the_restart_point(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2, 3)) + "\n")
+    truncate_records(path, 2)
+    assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2]
+    truncate_records(tmp_path / "absent.jsonl", 0)  # a first start has none
+
+
+class _Source:
+    def get(self, i):
+        return type("Example", (), {"question": f"q{i}", "answer": i})()
+
+
+def test_batches_follow_the_cursor_and_seed_each_prompts_samples_apart():
+    rollout = RolloutSettings(prompts_per_iteration=3, group_size=4, seeded=True)
+    batch = batch_at(_Source(), 6, rollout, job_seed=1)
+    assert batch.prompts == ["q6", "q7", "q8"]
+    assert batch.sampling["n"] == 4
+    assert batch.seeds == [(1 << 32) + 24, (1 << 32) + 28, (1 << 32) + 32]
+    assert batch_at(_Source(), 6, RolloutSettings(), 1).seeds is None
+
+
+# ---- vLLM's log -----------------------------------------------------------------------
+
+
+def test_vllm_records_go_to_the_file_and_only_errors_to_the_console(tmp_path, capfd):
+    vllm_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    before = logging.getLogger("vllm").handlers[:]
+    log = VllmLog(tmp_path, "INFO")
+    try:
+        vllm_logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+        vllm_logger.info("Loading weights took 0.01 seconds")
+        vllm_logger.error("the engine died")
+    finally:
+        log.close()
+    console = capfd.readouterr().err
+    assert "Failed to load weights" not in console and "Loading weights took" not in console
+    assert "the engine died" in console
+    text = log.path.read_text()
+    assert "RotaryEmbedding: Failed to load weights" in text and "Loading weights took" in text
+    assert log.counts() == {"WARNING": 1, "INFO": 1, "ERROR": 1}
+    assert log.summary() == f"vLLM: 1 warnings, 1 errors in {log.path}"
+    assert logging.getLogger("vllm").handlers == before  # this process's own, back
+    # vLLM's processes build the same handlers from the config file they are pointed at.
+    config = json.loads((tmp_path / "vllm_logging.json").read_text())
+    assert log.worker_env["VLLM_LOGGING_CONFIG_PATH"] == str(tmp_path / "vllm_logging.json")
+    assert config["loggers"]["vllm"]["handlers"] == ["file", "console"]
+    for spec in config["handlers"].values():
+        module, name = spec.pop("()").rsplit(".", 1)
+        handler = getattr(importlib.import_module(module), name)(**spec)
+        record = logging.LogRecord(
+            "vllm.config", logging.WARNING, __file__, 1, "Enforce eager set", None, None
+        )
+        if record.levelno >= handler.level:  # as the vllm logger calls its handlers
+            handler.handle(record)
+        handler.close()
+    assert log.path.read_text().count("Enforce eager set") == 1
+    assert "Enforce eager set" not in capfd.readouterr().err
+
+
+def test_iteration_record_carries_sync_times_and_the_draft_lag():
+    from grpo_specdec.job.metrics import iteration_record
+    from grpo_specdec.job.rollout_worker import Rollout
+
+    spec = {"acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "per_position_acceptance": []}
+    rollout = Rollout([[1]], [[[2, 3], [4]]], [["a", "b"]], spec, 0.5, {0: 1, 2: 3})
+    record = iteration_record(
+        4,
+        torch.tensor([[1.0, 0.0]]),
+        torch.tensor([[1.0, 0.0]]),
+        torch.tensor([True]),
+        rollout,
+        [rollout],
+        {"generation": 1.0, "policy_update": 2.0, "draft_wait": 0.5, "sync": 0.25},
+        {"policy": 5, "draft": 3},
+        {"policy_steps": 1},
+        {"draft_seconds": 0.4, "draft_trained_on_policy": 4},
+        {"policy": {"total_s": 0.2}},
+    )
+    assert record["iteration_s"] == 3.75 and record["draft_train_s"] == 0.4
+    assert record["tokens_per_s"] == 6.0 and record["response_length"] == 1.5
+    assert record["k_steps"] == {"0": 1, "2": 3} and "engines" not in record
+    assert record["draft_policy_lag"] == 1
+    assert record["policy_sync_s"] == 0.2 and record["draft_sync_s"] == 0.0
+    assert "draft_seconds" not in record
