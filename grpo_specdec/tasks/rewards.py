@@ -1,4 +1,5 @@
-"""Rule-based reward: is the final number right, plus a small bonus for the answer format."""
+"""Rule-based reward: is the final number right, plus a small bonus for the answer format;
+and DAPO's soft overlong punishment, a length term to add to it."""
 
 from __future__ import annotations
 
@@ -39,3 +40,22 @@ def reward(text: str, answer: float, format_bonus: float = 0.1) -> float:
     got = extract_answer(text)
     correct = got is not None and abs(got - answer) < 1e-6
     return float(correct) + (format_bonus if has_answer_format(text) else 0.0)
+
+
+def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), scaled by `penalty`: 0 up
+    to `max_tokens - buffer` tokens, then falling linearly to -`penalty` at `max_tokens`
+    (an answer cut off at the cap gets the full penalty), -`penalty` beyond. Added to the
+    rule reward, it teaches a policy to stop before the cap without a cliff at it."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if not 1 <= buffer <= max_tokens:
+        raise ValueError(f"buffer must lie in 1..max_tokens={max_tokens}, got {buffer}")
+    if penalty < 0:
+        raise ValueError(f"penalty must be non-negative, got {penalty}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be non-negative, got {num_tokens}")
+    free = max_tokens - buffer
+    if num_tokens <= free:
+        return 0.0
+    return -penalty * min(1.0, (num_tokens - free) / buffer)
