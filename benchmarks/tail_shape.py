@@ -6,8 +6,8 @@ large share of the rollout's wall time.
 The shape: P arithmetic word problems of mixed difficulty (levels 1..4 in turn, the job's
 `data.levels: [1, 2, 3, 4]`) x G samples, T = 1, one global token cap well above the typical
 answer. SmolLM2-135M-Instruct as shipped does not stop on its own often enough for that:
-at T = 1 about a quarter of its answers turn into text that never reaches EOS (28% of 64 at
-a 1024-token cap). So each request also gets its own length budget, a seeded log-normal
+at T = 1 about a quarter of its answers turn into text that never reaches EOS (18 of 64
+answers to level-1 problems reached a 1024-token cap). So each request also gets its own length budget, a seeded log-normal
 draw, as its max_tokens: a stand-in for a policy trained to stop (e.g. with DAPO's overlong
 penalty). An answer ends at EOS, at its budget, or at the global cap, and the study counts
 each. Per-request finish times are vLLM's own (`RequestOutput.metrics`), each sample one

@@ -43,7 +43,7 @@ def reward(text: str, answer: float, format_bonus: float = 0.1) -> float:
 
 
 def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int, penalty: float = 1.0) -> float:
-    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), scaled by `penalty`: 0 up
+    """DAPO's soft overlong punishment (arXiv 2503.14476), scaled by `penalty`: 0 up
     to `max_tokens - buffer` tokens, then falling linearly to -`penalty` at `max_tokens`
     (an answer cut off at the cap gets the full penalty), -`penalty` beyond. Added to the
     rule reward, it teaches a policy to stop before the cap without a cliff at it."""
