@@ -18,7 +18,8 @@ import numpy as np
 from pydantic import Field
 
 from grpo_specdec.config import DraftSampling, StrictModel
-from grpo_specdec.engine import Dtype, Engine, EngineConfig, SamplingSettings
+from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+from grpo_specdec.engine_config import Dtype
 from grpo_specdec.tasks.arithmetic import make_problems
 from vllm_plugin.controller import FixedPolicy, LatencyModel, fit_latency
 from vllm_plugin.settings import profile_key, store_path
