@@ -149,6 +149,54 @@ def _train(args) -> None:
     print(cfg.out)
 
 
+def _simulate(args) -> None:
+    from grpo_specdec.simulate import (
+        Workload,
+        compare,
+        comparison_table,
+        load_profile,
+        named_lengths,
+        read_acceptance,
+        read_lengths,
+        recommend_table,
+    )
+
+    latency, unprofiled = load_profile(args.profile)
+    conditional = read_acceptance(args.acceptance)
+    lengths = (
+        read_lengths(args.lengths) if Path(args.lengths).is_file() else named_lengths(args.lengths)
+    )
+    workload = Workload(lengths, args.prompt_tokens, args.temperature)
+    k_max = args.k_max or len(conditional)
+    max_batch = max(args.max_batch or len(lengths), 1)
+    table = None
+    if args.static_table:
+        from grpo_specdec.vllm_compat import dense_k_table
+
+        table = dense_k_table(json.loads(args.static_table), max_batch, k_max)
+    replays = compare(latency, conditional, workload, k_max, max_batch, table, unprofiled)
+    recommended = recommend_table(latency, conditional, k_max, max_batch)
+    print(comparison_table(replays))
+    print(f"recommended num_speculative_tokens_per_batch_size: {recommended}")
+    if args.json:
+        _write_json(
+            args.json,
+            {
+                "policies": {
+                    n: {
+                        "makespan_s": r.makespan_s,
+                        "tokens_per_s": r.tokens_per_s,
+                        "tail_s": r.tail_s,
+                        "mal": r.mal,
+                        "steps": r.steps,
+                    }
+                    for n, r in replays.items()
+                },
+                "recommended_table": recommended,
+            },
+        )
+
+
 def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len",
@@ -276,6 +324,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--resume", default=None, help="a run folder or checkpoint to continue from")
     train.set_defaults(func=_train)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="predict a rollout's makespan under each speculation policy from a latency "
+        "profile and an acceptance model",
+    )
+    sim.add_argument("--profile", required=True, help='PROFILE.json: {"latency": ...}')
+    sim.add_argument(
+        "--acceptance",
+        required=True,
+        help="conditional acceptance per draft position: 0.6,0.5,... or a JSON file (a list "
+        'or {"conditional": [...]})',
+    )
+    sim.add_argument(
+        "--lengths",
+        required=True,
+        help="per-request output lengths: a file (JSON list or one per line) or a shape "
+        "(fixed:N:L, lognormal:N:MEDIAN:SIGMA:CAP)",
+    )
+    sim.add_argument("--prompt-tokens", type=int, default=64)
+    sim.add_argument("--temperature", type=float, default=1.0)
+    sim.add_argument("--k-max", type=int, default=None, help="default: acceptance positions")
+    sim.add_argument("--max-batch", type=int, default=None, help="default: the requests")
+    sim.add_argument(
+        "--static-table",
+        default=None,
+        help="vLLM's num_speculative_tokens_per_batch_size as JSON, e.g. [[1,64,3],[65,512,0]]",
+    )
+    sim.add_argument("--json", default=None, help="also write every replay here")
+    sim.set_defaults(func=_simulate)
     return p
 
 

@@ -1,0 +1,304 @@
+"""Replay a GRPO-shaped rollout step by step and predict its makespan under each policy.
+
+All requests start together (one prefill step over every prompt), then every step decodes
+the B requests still running with the k their policy picks for B, and a request leaves once
+it has its output length. A step costs the controller's own `LatencyModel.step_ms(B, k)`
+plus the two costs the profiler does not time (`UnprofiledCosts`); it advances each request
+by E[tokens | k] from the conditional acceptance (`expected_tokens`): a deterministic
+expectation, so one replay gives the mean, not the spread of a run. The policies are the
+controller's (`FixedPolicy`, `PaperPolicy`, `GoodputPolicy`) or vLLM's dense batch-size ->
+k list, read as the scheduler reads its `dynamic_sd_lookup`: once per step, indexed by the
+requests scheduled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from vllm_plugin.controller import (
+    FixedPolicy,
+    FrozenAcceptance,
+    GoodputPolicy,
+    LatencyModel,
+    PaperPolicy,
+    Policy,
+    expected_tokens,
+)
+
+TAIL_AFTER = 0.9  # the tail phase starts once this share of requests has finished
+
+
+@dataclass(frozen=True)
+class UnprofiledCosts:
+    """Step costs the latency profile leaves out: `grpo-specdec profile` times greedy
+    decode steps at short context. Sampling at T > 0 costs per verified token (softmax over
+    the vocabulary, rejection sampling); attention costs per query token per token of
+    context beyond the context the profile was measured at; a prefill step costs per
+    prompt token (None: the profile's T(n), which extrapolates decode steps of at most
+    B (k_max + 1) tokens to the whole batch's prompts)."""
+
+    sampling_ms_per_token: float = 0.0
+    attention_ms_per_kv_token: float = 0.0
+    reference_context: float = 0.0
+    prefill_ms_per_token: float | None = None
+
+    def prefill_ms(self, latency: LatencyModel, prompt_tokens: float) -> float:
+        if self.prefill_ms_per_token is None:
+            return float(latency.target(prompt_tokens))
+        return self.prefill_ms_per_token * prompt_tokens
+
+    def step_ms(self, contexts: np.ndarray, k: int, temperature: float) -> float:
+        query_tokens = len(contexts) * (k + 1)
+        sampling = self.sampling_ms_per_token * query_tokens if temperature > 0 else 0.0
+        beyond = np.maximum(contexts - self.reference_context, 0.0).sum()
+        return sampling + self.attention_ms_per_kv_token * (k + 1) * float(beyond)
+
+
+NONE_UNPROFILED = UnprofiledCosts()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A rollout: per-request output and prompt lengths (tokens), sampled at `temperature`."""
+
+    output_lengths: np.ndarray
+    prompt_lengths: np.ndarray
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        out = np.asarray(self.output_lengths, dtype=float)
+        prompts = np.broadcast_to(np.asarray(self.prompt_lengths, dtype=float), out.shape)
+        if out.ndim != 1 or not len(out):
+            raise ValueError("output_lengths: need a non-empty list of per-request lengths")
+        if (out < 1).any():
+            raise ValueError(f"output_lengths: every request makes >= 1 token, got {out.min()}")
+        if (prompts < 1).any():
+            raise ValueError("prompt_lengths: every prompt has >= 1 token")
+        object.__setattr__(self, "output_lengths", out)
+        object.__setattr__(self, "prompt_lengths", prompts.copy())
+
+
+@dataclass
+class Replay:
+    """What one replay predicts. `steps`: (start s, requests running B, k) per step."""
+
+    makespan_s: float
+    tokens: float
+    tail_s: float
+    mal: float  # tokens per request-step over the steps that drafted, as the engine reports
+    steps: list[tuple[float, int, int]] = field(repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.makespan_s
+
+
+def replay(
+    latency: LatencyModel,
+    conditional,
+    workload: Workload,
+    policy: Policy | list[int],
+    unprofiled: UnprofiledCosts = NONE_UNPROFILED,
+    draft_pass_at_k0: bool = False,
+) -> Replay:
+    """Replay `workload` with k from `policy`. `conditional`: P(draft position i accepted |
+    positions < i accepted), one per position up to the policy's largest k.
+    `draft_pass_at_k0`: steps with k = 0 still run one draft pass, as vLLM 0.32 ships."""
+    tokens_at = expected_tokens(np.asarray(conditional, dtype=float))
+    choose = policy.__getitem__ if isinstance(policy, list) else policy.choose
+    remaining = workload.output_lengths - 1.0  # the prefill step makes every first token
+    contexts = workload.prompt_lengths + 1.0
+    t_ms = unprofiled.prefill_ms(latency, float(workload.prompt_lengths.sum()))
+    finished_at = np.full(len(remaining), t_ms)  # those of one token finish with prefill
+    steps = [(0.0, len(remaining), 0)]
+    drafted_steps = drafted_tokens = 0.0
+    running = np.flatnonzero(remaining > 0)
+    while len(running):
+        b = len(running)
+        k = int(choose(b))
+        if k >= len(tokens_at):
+            raise ValueError(
+                f"policy chose k={k} for B={b}; acceptance covers k <= {len(tokens_at) - 1}"
+            )
+        steps.append((t_ms / 1000, b, k))
+        t_ms += float(latency.step_ms(b, k)) + unprofiled.step_ms(
+            contexts[running], k, workload.temperature
+        )
+        if k == 0 and draft_pass_at_k0:
+            t_ms += float(latency.draft(b))
+        made = np.minimum(tokens_at[k], remaining[running])
+        if k > 0:
+            drafted_steps += b
+            drafted_tokens += b * tokens_at[k]
+        remaining[running] -= made
+        contexts[running] += made
+        done = running[remaining[running] <= 1e-9]
+        finished_at[done] = t_ms
+        running = running[remaining[running] > 1e-9]
+    order = np.sort(finished_at)
+    tail_start = order[math.ceil(TAIL_AFTER * len(order)) - 1]
+    return Replay(
+        makespan_s=t_ms / 1000,
+        tokens=float(workload.output_lengths.sum()),
+        tail_s=(t_ms - tail_start) / 1000,
+        mal=drafted_tokens / drafted_steps if drafted_steps else 1.0,
+        steps=steps,
+    )
+
+
+def compared_policies(
+    latency: LatencyModel,
+    conditional,
+    k_max: int,
+    max_batch: int,
+    static_table: list[int] | None = None,
+) -> dict[str, Policy | list[int]]:
+    """The policies compared: no speculation, fixed k = 1..k_max, vLLM's static table (a
+    dense batch-size -> k list, `vllm_compat.dense_k_table`), the paper's rule and ours
+    (goodput, pricing k on `conditional` as if its estimator had converged to it)."""
+    policies: dict[str, Policy | list[int]] = {"no spec": FixedPolicy(0)}
+    policies.update({f"k={k}": FixedPolicy(k) for k in range(1, k_max + 1)})
+    if static_table is not None:
+        policies["static table"] = static_table
+    policies["paper rule"] = PaperPolicy(latency.c_peak, k_max)
+    policies["ours"] = GoodputPolicy(latency, FrozenAcceptance(conditional[:k_max]), max_batch)
+    return policies
+
+
+def recommend_table(
+    latency: LatencyModel, conditional, k_max: int, max_batch: int
+) -> list[list[int]]:
+    """A `num_speculative_tokens_per_batch_size` table for stacks that can only give vLLM a
+    static table: per batch size, the k of largest goodput under this profile and
+    acceptance (non-increasing in B), as inclusive [first B, last B, k] ranges."""
+    ks = GoodputPolicy(latency, FrozenAcceptance(conditional[:k_max]), max_batch).table()
+    ranges: list[list[int]] = []
+    for b, k in enumerate(ks, start=1):
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = b
+        else:
+            ranges.append([b, b, int(k)])
+    return ranges
+
+
+def lengths_from_trace(trace, conditional) -> np.ndarray:
+    """Per-request output lengths of a rollout from its per-step (time, B, k) trace: a
+    request that left after step i made one token in the prefill step (the trace's first)
+    and E[tokens | k] in each later step it ran (exact where k = 0)."""
+    tokens_at = expected_tokens(np.asarray(conditional, dtype=float))
+    if not trace:
+        raise ValueError("trace: no steps")
+    made, lengths = 0.0, []
+    for i, (_, b, k) in enumerate(trace):
+        made += 1.0 if i == 0 else float(tokens_at[min(int(k), len(tokens_at) - 1)])
+        after = int(trace[i + 1][1]) if i + 1 < len(trace) else 0
+        if after > b:
+            raise ValueError(f"trace step {i + 1}: B rose from {b} to {after}; not one batch")
+        lengths += [made] * (int(b) - after)
+    return np.array(lengths)
+
+
+def named_lengths(shape: str) -> np.ndarray:
+    """Output lengths of a named shape: `fixed:N:L` (N requests of L tokens) or
+    `lognormal:N:MEDIAN:SIGMA:CAP` (the N quantiles of a log-normal capped at CAP, no RNG:
+    the long-tailed rollouts GRPO sees)."""
+    name, *params = shape.split(":")
+    try:
+        if name == "fixed" and len(params) == 2:
+            n, length = int(params[0]), int(params[1])
+            return np.full(n, float(length))
+        if name == "lognormal" and len(params) == 4:
+            from statistics import NormalDist
+
+            n, median, sigma, cap = (
+                int(params[0]),
+                float(params[1]),
+                float(params[2]),
+                float(params[3]),
+            )
+            z = np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+            return np.clip(np.round(median * np.exp(sigma * z)), 1, cap)
+    except ValueError as err:
+        raise ValueError(f"length shape {shape!r}: {err}") from None
+    raise ValueError(f"length shape {shape!r}: expected fixed:N:L or lognormal:N:MEDIAN:SIGMA:CAP")
+
+
+def load_profile(path: str | Path) -> tuple[LatencyModel, UnprofiledCosts]:
+    """The latency model of a profile JSON (`{"latency": LatencyModel.to_dict()}`), with its
+    `unprofiled` costs where the file has them."""
+    try:
+        data = json.loads(Path(path).read_text())
+        latency = LatencyModel.from_dict(data["latency"])
+        unprofiled = UnprofiledCosts(**data.get("unprofiled", {}))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"latency profile {path}: {type(err).__name__}: {err}") from None
+    return latency, unprofiled
+
+
+def compare(
+    latency: LatencyModel,
+    conditional,
+    workload: Workload,
+    k_max: int,
+    max_batch: int,
+    static_table: list[int] | None = None,
+    unprofiled: UnprofiledCosts = NONE_UNPROFILED,
+) -> dict[str, Replay]:
+    """One replay of `workload` per compared policy (`compared_policies`)."""
+    return {
+        name: replay(latency, conditional, workload, policy, unprofiled)
+        for name, policy in compared_policies(
+            latency, conditional, k_max, max_batch, static_table
+        ).items()
+    }
+
+
+def comparison_table(replays: dict[str, Replay]) -> str:
+    """Markdown: makespan, tokens/s, speedup over no speculation, tail phase, MAL."""
+    base = replays["no spec"].makespan_s
+    lines = [
+        "| policy | makespan s | tokens/s | vs no spec | tail s (after 90% done) | MAL |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in replays.items():
+        lines.append(
+            f"| {name} | {r.makespan_s:.3f} | {r.tokens_per_s:.0f} | {base / r.makespan_s:.2f}x "
+            f"| {r.tail_s:.3f} | {r.mal:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def read_acceptance(spec: str) -> np.ndarray:
+    """Conditional acceptance from `0.6,0.5,...` or a JSON file holding a list or
+    {"conditional": [...]}."""
+    try:
+        if Path(spec).is_file():
+            data = json.loads(Path(spec).read_text())
+            values = data["conditional"] if isinstance(data, dict) else data
+        else:
+            values = [float(x) for x in spec.split(",")]
+        conditional = np.asarray(values, dtype=float)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"acceptance {spec!r}: {err}") from None
+    if (
+        conditional.ndim != 1
+        or not len(conditional)
+        or ((conditional < 0) | (conditional > 1)).any()
+    ):
+        raise ValueError(f"acceptance {spec!r}: need one probability in [0, 1] per draft position")
+    return conditional
+
+
+def read_lengths(path: str | Path) -> np.ndarray:
+    """Per-request output lengths from a JSON list or one integer a line."""
+    text = Path(path).read_text()
+    try:
+        values = json.loads(text) if text.lstrip().startswith("[") else text.split()
+        return np.array([float(v) for v in values])
+    except ValueError as err:
+        raise ValueError(f"lengths file {path}: {err}") from None

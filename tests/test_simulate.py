@@ -1,0 +1,166 @@
+"""The rollout simulator's invariants (grpo_specdec/simulate.py): plain numpy, no engine."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from grpo_specdec.simulate import (
+    Workload,
+    compare,
+    lengths_from_trace,
+    load_profile,
+    named_lengths,
+    recommend_table,
+    replay,
+)
+from vllm_plugin.controller import (
+    FixedPolicy,
+    HingeLatency,
+    LatencyModel,
+    LinearCost,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+LATENCY = LatencyModel(HingeLatency(10.0, 0.5, 0.0), LinearCost(0.5, 0.1), LinearCost(0.8, 0.0))
+
+
+def test_no_spec_makespan_is_prefill_plus_each_steps_target_latency():
+    # lengths 1, 3, 3, 5 over 10-token prompts: prefill makes every first token and the
+    # one-token request leaves; then B = 3, 3 (the 3s finish), 1, 1.
+    w = Workload([1, 3, 3, 5], [10, 10, 10, 10])
+    r = replay(LATENCY, [0.5], w, FixedPolicy(0))
+    t = LATENCY.target
+    assert r.makespan_s == pytest.approx((t(40) + 2 * t(3) + 2 * t(1)) / 1000)
+    assert [b for _, b, _ in r.steps] == [4, 3, 3, 1, 1]
+    assert r.tokens == 12 and r.mal == 1.0
+
+
+def test_fixed_k_with_nothing_accepted_is_slower_by_the_verify_cost():
+    w = Workload([20] * 6 + [40] * 2, 16)
+    plain = replay(LATENCY, [0.0, 0.0], w, FixedPolicy(0))
+    spec = replay(LATENCY, [0.0, 0.0], w, FixedPolicy(2))
+    assert [b for _, b, _ in spec.steps] == [b for _, b, _ in plain.steps]
+    extra = sum(float(LATENCY.step_ms(b, 2) - LATENCY.step_ms(b, 0)) for _, b, _ in spec.steps[1:])
+    assert extra > 0
+    assert spec.makespan_s - plain.makespan_s == pytest.approx(extra / 1000)
+
+
+def test_accepted_drafts_shorten_the_rollout_and_set_the_mal():
+    w = Workload([31] * 4, 8)
+    r = replay(LATENCY, [1.0, 1.0], w, FixedPolicy(2))
+    assert r.mal == pytest.approx(3.0)
+    assert len(r.steps) == 1 + 10  # 30 tokens after prefill, 3 a step
+
+
+def test_tail_phase_starts_when_nine_in_ten_requests_have_finished():
+    w = Workload([*range(10, 19), 100], 4)
+    r = replay(LATENCY, [0.5], w, FixedPolicy(0))
+    # the ninth request finishes at its 18th token; the last then runs 82 more steps alone
+    assert r.tail_s == pytest.approx(82 * float(LATENCY.target(1)) / 1000)
+
+
+def test_recommended_table_is_non_increasing_in_batch_size_and_covers_it():
+    latency = LatencyModel(HingeLatency(5.0, 0.05, 64.0), LinearCost(0.4, 0.004))
+    ranges = recommend_table(latency, [0.8] * 6, 6, 512)
+    ks = [k for first, last, k in ranges for _ in range(first, last + 1)]
+    assert len(ks) == 512 and ranges[0][0] == 1
+    assert all(a >= b for a, b in zip(ks, ks[1:]))
+    assert ks[0] > 0 and ks[-1] == 0
+
+
+def test_lengths_from_a_trace_replay_to_the_same_concurrency():
+    lengths = np.array([1, 4, 4, 7, 9])
+    ran = replay(LATENCY, [0.5], Workload(lengths, 5), FixedPolicy(0))
+    rebuilt = lengths_from_trace([(t, b, k) for t, b, k in ran.steps], [0.5])
+    assert sorted(rebuilt) == sorted(lengths.tolist())
+    again = replay(LATENCY, [0.5], Workload(rebuilt, 5), FixedPolicy(0))
+    assert [b for _, b, _ in again.steps] == [b for _, b, _ in ran.steps]
+
+
+def test_ours_is_no_slower_than_no_spec_or_fixed_k_on_a_long_tail():
+    w = Workload(named_lengths("lognormal:64:120:0.8:1024"), 60)
+    replays = compare(LATENCY, [0.7, 0.6, 0.6, 0.5], w, 4, 64)
+    ours = replays["ours"].makespan_s
+    assert ours <= replays["no spec"].makespan_s + 1e-9
+    assert ours <= min(r.makespan_s for n, r in replays.items() if n.startswith("k=")) * 1.02
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (lambda: Workload([], 4), "output_lengths"),
+        (lambda: Workload([3, 0], 4), "output_lengths"),
+        (lambda: Workload([3], 0), "prompt_lengths"),
+        (lambda: named_lengths("zipf:3"), "zipf:3"),
+        (lambda: replay(LATENCY, [0.5], Workload([5], 4), FixedPolicy(3)), "k=3"),
+    ],
+)
+def test_bad_input_names_what_is_wrong(bad, field):
+    with pytest.raises(ValueError, match=field):
+        bad()
+
+
+def test_gpu_profile_script_runs_tiny_on_cpu_and_writes_a_profile(tmp_path):
+    out = tmp_path / "tiny.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_latency_profile.py"),
+            "--tiny",
+            "--sizes",
+            "1,4",
+            "--contexts",
+            "16,32",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    data = json.loads(out.read_text())
+    latency, unprofiled = load_profile(out)
+    assert [(r["tokens"], r["context"]) for r in data["measurements"]] == [
+        (1, 16),
+        (4, 16),
+        (1, 32),
+        (4, 32),
+    ]
+    assert all(r["target_ms"] > 0 and r["draft_ms"] > 0 for r in data["measurements"])
+    assert latency.target(1) > 0 and unprofiled.reference_context == 16
+
+
+def test_simulate_cli_prints_every_policy(tmp_path):
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"latency": LATENCY.to_dict()}))
+    out = tmp_path / "sim.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_specdec",
+            "simulate",
+            "--profile",
+            str(profile),
+            "--acceptance",
+            "0.7,0.6,0.5",
+            "--lengths",
+            "fixed:8:64",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for name in ("no spec", "k=1", "k=3", "paper rule", "ours"):
+        assert f"| {name} |" in proc.stdout
+    saved = json.loads(out.read_text())
+    assert saved["policies"]["no spec"]["makespan_s"] > 0 and saved["recommended_table"]
