@@ -1,0 +1,331 @@
+"""The rollout simulator (grpo_specdec/simulate.py) against every configuration measured by
+benchmarks/rollout_throughput.py: predicted vs measured wall time, one row each.
+
+    python benchmarks/simulator_validation.py      # rewrites docs/benchmarks/simulator.md
+
+Each run's prediction uses that run's own latency profile (`latency`), its calibration
+acceptance (`calibration_conditional_acceptance`, measured once at k_max on the policy's
+GRPO rollout) and the configuration's own policy; the GRPO shapes' output lengths come
+from the run's `ours` trace. A second prediction swaps in the acceptance that reproduces the
+configuration's measured mean acceptance length. Both add the two costs the profile leaves
+out (`UnprofiledCosts`), fitted once, on one trace, and stated in the report.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
+
+from benchmarks.common import ASSETS, load_json, write_study
+from benchmarks.rollout_throughput import OUTSIDE_PROMPTS, SHAPES
+from grpo_specdec.assets.smollm2 import default_dir
+from grpo_specdec.simulate import (
+    NONE_UNPROFILED,
+    Replay,
+    UnprofiledCosts,
+    Workload,
+    lengths_from_trace,
+    replay,
+)
+from grpo_specdec.tasks.arithmetic import make_problems
+from grpo_specdec.vllm_compat import dense_k_table
+from vllm_plugin.controller import (
+    NO_COST,
+    FixedPolicy,
+    FrozenAcceptance,
+    GoodputPolicy,
+    LatencyModel,
+    PaperPolicy,
+)
+
+GOAL, LIMIT = 0.07, 0.15  # within GOAL for >= 90% of configurations, none beyond LIMIT
+# The one trace the unprofiled costs are fitted on (its k = 0 decode steps).
+CALIBRATION_RUN, CALIBRATION_SHAPE = "rollout_throughput_group", "untrained"
+# The profiler times 16 steps after 4 warm-up steps at each k = 0..k_max: its contexts run
+# from the prompt to prompt + 20 (k + 1) tokens, 35 beyond the prompt on average at k_max 5.
+PROFILE_CONTEXT_BEYOND_PROMPT = 35.0
+
+
+@dataclass
+class Measured:
+    run: str
+    section: str
+    key: str
+    config: str
+    wall_s: float
+    mal: float
+    workload: Workload
+    model: str  # which policy answered: "base" or "trained"
+
+
+@functools.cache
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_dir())
+
+
+def prompt_tokens(prompts: list[str]) -> np.ndarray:
+    """Token counts of user prompts through SmolLM2's chat template, as Engine.encode makes
+    them."""
+    tok = _tokenizer()
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in prompts
+    ]
+    return np.array([len(tok.encode(t, add_special_tokens=False)) for t in texts], dtype=float)
+
+
+def max_batch_of(args: dict) -> int:
+    """The largest batch the run's controller priced (benchmarks/rollout_throughput.py)."""
+    return max(engine_slots(args), len(OUTSIDE_PROMPTS))
+
+
+def engine_slots(args: dict) -> int:
+    """max_num_seqs of the run's engines: every stored run predates commit 4a1f9bc, which
+    sized them by the batch sizes and GRPO shapes only (a run of --batch-sizes 1 served the
+    8 outside-the-task prompts one at a time)."""
+    shapes = [s for s in args["shapes"].split(",") if s]
+    batch_sizes = [int(b) for b in args["batch_sizes"].split(",")]
+    return max([*batch_sizes, *(SHAPES[s][1] * SHAPES[s][2] for s in shapes)])
+
+
+def measured_configs(run: str, data: dict) -> list[Measured]:
+    args = data["args"]
+    questions = [p.question for p in make_problems(max_batch_of(args), seed=7, level=2)]
+    rows = []
+    for section, keyed in data["results"].items():
+        for key, configs in keyed.items():
+            if section == "grpo":
+                model, n_prompts, group, _ = SHAPES[key]
+                prompts = [p.question for p in make_problems(n_prompts, seed=11, level=2)]
+                conditional = data["calibration_conditional_acceptance"][model]
+                workload = Workload(
+                    lengths_from_trace(data["traces"][key], conditional),
+                    np.repeat(prompt_tokens(prompts), group),
+                    temperature=1.0,
+                )
+            else:
+                model = "base"
+                temp, b = key.split("/")
+                prompts = (questions if section == "fixed" else OUTSIDE_PROMPTS)[: int(b)]
+                workload = Workload(
+                    np.full(int(b), float(args["tokens"])), prompt_tokens(prompts), float(temp)
+                )
+            for config, v in configs.items():
+                rows.append(
+                    Measured(run, section, key, config, v["wall_s"], v["mal"], workload, model)
+                )
+    return rows
+
+
+def setup_of(m: Measured, data: dict, latency: LatencyModel, conditional):
+    """(policy, latency the steps cost, k_max, draft pass at k = 0) of a configuration, as
+    benchmarks/rollout_throughput.py built it. Acceptance-driven policies price k on
+    `conditional`."""
+    args, k_max = data["args"], data["k_max"]
+    max_batch = max_batch_of(args)
+    name = m.config.removeprefix("sampled ")
+    if name in ("no spec", "k=0 (draft loaded)", "k=0, vLLM as shipped"):
+        return FixedPolicy(0), latency, k_max, name == "k=0, vLLM as shipped"
+    if name.startswith("k="):
+        return FixedPolicy(int(name[2:])), latency, k_max, False
+    if name == "static table":
+        table = dense_k_table(data["static_tables"][m.model], max_batch, k_max)
+        return table, latency, k_max, False
+    if name == "paper rule":
+        return PaperPolicy(latency.c_peak, k_max), latency, k_max, False
+    if name in ("group", "group +history"):  # no draft model: its drafts cost nothing to make
+        k_group = args["group_k_max"]
+        free = LatencyModel(latency.target, NO_COST, latency.speculation)
+        return (
+            GoodputPolicy(latency, FrozenAcceptance(conditional[:k_group]), max_batch),
+            free,
+            k_group,
+            False,
+        )
+    # ours, sampled ours, hybrid +history: the goodput controller on the EAGLE engine
+    return (
+        GoodputPolicy(latency, FrozenAcceptance(conditional[:k_max]), max_batch),
+        latency,
+        k_max,
+        False,
+    )
+
+
+def predict(m: Measured, data: dict, conditional, unprofiled: UnprofiledCosts) -> Replay:
+    """The replay of a configuration; where the engine held fewer sequences than the
+    workload has, one replay per wave of that many, back to back (exact for one slot)."""
+    latency = LatencyModel.from_dict(data["latency"])
+    policy, cost, k_max, shipped_k0 = setup_of(m, data, latency, conditional)
+    w, slots = m.workload, engine_slots(data["args"])
+    waves = [
+        replay(
+            cost,
+            conditional,
+            Workload(
+                w.output_lengths[i : i + slots], w.prompt_lengths[i : i + slots], w.temperature
+            ),
+            policy,
+            unprofiled,
+            shipped_k0,
+        )
+        for i in range(0, len(w.output_lengths), slots)
+    ]
+    if len(waves) == 1:
+        return waves[0]
+    drafted = [r for r in waves if r.mal > 1]
+    return Replay(
+        makespan_s=sum(r.makespan_s for r in waves),
+        tokens=sum(r.tokens for r in waves),
+        tail_s=waves[-1].tail_s,
+        mal=float(np.mean([r.mal for r in drafted])) if drafted else 1.0,
+        steps=[],
+    )
+
+
+def extended(conditional, k: int) -> np.ndarray:
+    """The acceptance vector to position k, its last value carried on."""
+    c = np.asarray(conditional, dtype=float)
+    return np.concatenate([c, np.full(max(0, k - len(c)), c[-1])])[: max(k, len(c))]
+
+
+def mal_matched(m: Measured, data: dict, conditional, unprofiled: UnprofiledCosts):
+    """The prediction with the calibration acceptance scaled (s * p_i, at most 1) so that the
+    replay's mean acceptance length equals the configuration's measured one (bisection on s;
+    a policy that never drafts keeps the calibration acceptance)."""
+    lo, hi = 0.0, 1.0 / max(float(np.min(conditional)), 1e-3)
+    best = predict(m, data, conditional, unprofiled)
+    if m.mal <= 1.0 and best.mal <= 1.0:
+        return best
+    for _ in range(24):
+        s = (lo + hi) / 2
+        best = predict(m, data, np.minimum(s * conditional, 1.0), unprofiled)
+        lo, hi = (s, hi) if best.mal < m.mal else (lo, s)
+    return best
+
+
+def fit_unprofiled(data: dict, shape: str) -> UnprofiledCosts:
+    """The costs the profile lacks, from one trace: prefill per prompt token from its first
+    step; least squares on its k = 0 decode steps of the step time beyond the profile's
+    T(B) against B (sampling at T = 1) and against the tokens of context beyond the
+    profile's (every running request has made as many tokens as steps have run, where
+    k = 0)."""
+    latency = LatencyModel.from_dict(data["latency"])
+    trace = data["traces"][shape]
+    _, n_prompts, group, _ = SHAPES[shape]
+    prompts = prompt_tokens([p.question for p in make_problems(n_prompts, seed=11, level=2)])
+    prompt = float(prompts.mean())
+    reference = prompt + PROFILE_CONTEXT_BEYOND_PROMPT
+    prefill_ms = 1000 * (trace[1][0] - trace[0][0])
+    rows, excess = [], []
+    for i in range(1, len(trace) - 1):  # step i lasts until step i + 1 starts
+        _, b, k = trace[i]
+        if k == 0:
+            rows.append([b, b * max(prompt + i - reference, 0.0)])
+            excess.append(1000 * (trace[i + 1][0] - trace[i][0]) - float(latency.step_ms(b, 0)))
+    coef = np.linalg.lstsq(np.array(rows), np.array(excess), rcond=None)[0]
+    return UnprofiledCosts(
+        sampling_ms_per_token=float(max(coef[0], 0)),
+        attention_ms_per_kv_token=float(max(coef[1], 0)),
+        reference_context=reference,
+        prefill_ms_per_token=prefill_ms / float(prompts.sum() * group),
+    )
+
+
+def report(rows: list[tuple], unprofiled: UnprofiledCosts) -> str:
+    def err(pred, meas):
+        return pred / meas - 1
+
+    def verdict(errors: list[float]) -> str:
+        e = np.abs([x for x in errors if x is not None])
+        return (
+            f"{(e <= GOAL).mean():.0%} of {len(e)} within ±{GOAL:.0%} (goal ≥ 90%), "
+            f"{(e > LIMIT).sum()} beyond ±{LIMIT:.0%} (goal 0), worst {e.max():+.1%}"
+        )
+
+    calib = [err(r[5], r[4]) if r[5] is not None else None for r in rows]
+    matched = [err(r[6], r[4]) for r in rows]
+    raw = [err(r[7], r[4]) if r[7] is not None else None for r in rows]
+    lines = [
+        "Predicted wall time of every configuration measured by "
+        "`benchmarks/rollout_throughput.py` (docs/assets/rollout_throughput*.json), each from "
+        "that run's own latency profile and the configuration's own policy. Predictions are "
+        "deterministic expectations (one replay, E[tokens | k] per step).",
+        "",
+        "- **A. calibration acceptance**: the run's `calibration_conditional_acceptance` "
+        "(measured once at k_max on that policy's GRPO rollout). Not defined for drafts "
+        "from the group's text or sampled drafts (no per-position acceptance of theirs is "
+        "stored): '—'.",
+        "- **B. MAL-matched**: that acceptance scaled so the replay's mean acceptance "
+        "length equals the configuration's measured one.",
+        "- **profile only**: A without the unprofiled costs below.",
+        "",
+        "Unprofiled costs (one fit, on the k = 0 decode steps of the `ours` trace of "
+        f"`{CALIBRATION_RUN}` / `{CALIBRATION_SHAPE}`, applied to every run): sampling at T = 1 "
+        f"{unprofiled.sampling_ms_per_token * 1000:.1f} µs per verified token; attention "
+        f"{unprofiled.attention_ms_per_kv_token * 1e6:.0f} ns per query token per context token beyond "
+        f"{unprofiled.reference_context:.0f} (the profile's mean context); prefill "
+        f"{unprofiled.prefill_ms_per_token * 1000:.0f} µs per prompt token (its first step). "
+        "That trace's own "
+        "configuration (`ours`) is in-sample.",
+        "",
+        f"- A: {verdict(calib)}.",
+        f"- B: {verdict(matched)}.",
+        f"- profile only: {verdict(raw)}.",
+        "",
+        "| run | workload | config | measured s | A s | A err | B s | B err | profile only err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, a, b, p in zip(rows, calib, matched, raw, strict=True):
+        run, section, key, config, meas, pa, pb, _ = r
+        lines.append(
+            f"| {run.removeprefix('rollout_throughput').strip('_') or 'main'} | {section} {key} | "
+            f"{config} | {meas:.2f} | "
+            + (f"{pa:.2f} | {a:+.1%}" if pa is not None else "— | —")
+            + f" | {pb:.2f} | {b:+.1%} | "
+            + (f"{p:+.1%}" if p is not None else "—")
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    runs = {p.stem: load_json(p) for p in sorted(ASSETS.glob("rollout_throughput*.json"))}
+    unprofiled = fit_unprofiled(runs[CALIBRATION_RUN], CALIBRATION_SHAPE)
+    rows = []
+    for run, data in runs.items():
+        for m in measured_configs(run, data):
+            has_calibration = not (m.config.startswith(("group", "sampled")))
+            conditional = extended(
+                data["calibration_conditional_acceptance"][m.model],
+                data["args"].get("group_k_max", 0) if m.config.startswith("group") else 0,
+            )
+            a = predict(m, data, conditional, unprofiled).makespan_s if has_calibration else None
+            b = mal_matched(m, data, conditional, unprofiled).makespan_s
+            raw = (
+                predict(m, data, conditional, NONE_UNPROFILED).makespan_s
+                if has_calibration
+                else None
+            )
+            rows.append((run, m.section, m.key, m.config, m.wall_s, a, b, raw))
+    text = report(rows, unprofiled)
+    write_study(
+        "simulator",
+        "Rollout simulator vs the measured runs (SmolLM2-135M, CPU)",
+        text,
+        "simulator_validation.py",
+    )
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
