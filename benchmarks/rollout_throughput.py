@@ -43,12 +43,12 @@ from benchmarks.common import (
     write_study,
 )
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+from grpo_specdec.simulate import recommend_table
 from grpo_specdec.tasks.arithmetic import make_problems
 from grpo_specdec.vllm_compat import dense_k_table
 from vllm_plugin.controller import (
     AcceptanceEstimator,
     FixedPolicy,
-    FrozenAcceptance,
     GoodputPolicy,
     LatencyModel,
     PaperPolicy,
@@ -75,19 +75,6 @@ OUTSIDE_PROMPTS = [
     "Summarise the benefits of regular exercise in a paragraph.",
     "Write a polite email declining a meeting invitation.",
 ]
-
-
-def static_table(latency: LatencyModel, conditional, k_max: int, max_batch: int) -> list[list[int]]:
-    """vLLM's `num_speculative_tokens_per_batch_size` ranges: the goodput-optimal k per
-    batch size under acceptance measured once, offline."""
-    ks = GoodputPolicy(latency, FrozenAcceptance(conditional), max_batch).table()
-    ranges = []
-    for b, k in enumerate(ks, start=1):
-        if ranges and ranges[-1][2] == k:
-            ranges[-1][1] = b
-        else:
-            ranges.append([b, b, int(k)])
-    return ranges
 
 
 @dataclass
@@ -344,7 +331,7 @@ def main() -> None:
         measured = spec.generate(calib_prompts, calib_sampling).spec
         conditional = conditional_from_cumulative(measured["per_position_acceptance"])
         calibration[name] = conditional.tolist()
-        tables[name] = static_table(latency, conditional, args.k_max, max_batch)
+        tables[name] = recommend_table(latency, conditional, args.k_max, max_batch)
         configs = compared_configs(plain, spec, latency, tables[name], args.k_max, max_batch)
         if args.group:
             configs.update(group_configs(group_only, hybrid, latency, max_batch))
