@@ -176,6 +176,10 @@ def _simulate(args) -> None:
         table = dense_k_table(json.loads(args.static_table), max_batch, k_max)
     replays = compare(latency, conditional, workload, k_max, max_batch, table, unprofiled)
     recommended = recommend_table(latency, conditional, k_max, max_batch)
+    print(
+        f"Modelled, not measured: {len(lengths)} requests replayed on the latency profile "
+        f"{args.profile} with acceptance {[round(float(a), 3) for a in conditional]}"
+    )
     print(comparison_table(replays))
     print(f"recommended num_speculative_tokens_per_batch_size: {recommended}")
     if args.json:

@@ -160,6 +160,7 @@ def test_simulate_cli_prints_every_policy(tmp_path):
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Modelled, not measured: 8 requests")
     for name in ("no spec", "k=1", "k=3", "paper rule", "ours"):
         assert f"| {name} |" in proc.stdout
     saved = json.loads(out.read_text())
