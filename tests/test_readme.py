@@ -56,3 +56,9 @@ def test_models_and_generation_commands_run_as_written(tmp_path):
     assert any(SMOLLM2 in c for c in smollm2_block)
     for command in smollm2_block:
         run(command.replace(SMOLLM2, TINY_TARGET), tmp_path)
+
+
+def test_the_gpu_section_simulates_as_written():
+    (block,) = section_commands("On a GPU: what to expect (modelled)")
+    for command in block:
+        run(command, ROOT)
