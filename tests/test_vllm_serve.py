@@ -336,9 +336,21 @@ def test_a_served_engine_with_mixed_weights_refuses_completions_until_that_role_
     weights = ServedWeights(server, API_KEY)
     original = load_file(Path(tiny_target) / "model.safetensors")
     before = _greedy(server, tiny_target, questions[:4])
+    in_flight = client.completions.create(
+        model=tiny_target,
+        prompt="1+1=",
+        max_tokens=600,  # still running when the swap fails
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(in_flight)
+    next(chunks)
     fail_loads.write_text("2")  # the swap's load, then the restore's
     with pytest.raises(RuntimeError, match=r"\(500\).*restoring version \d+ failed too"):
         weights.swap("policy", _noisy(original, 3), 70)
+    # The request in flight does not go on generating with weights that may be a mix.
+    finish_reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert len(finish_reasons) < 599 and "length" not in finish_reasons, finish_reasons[-3:]
     refusal = "refusing to generate: the policy weights may be a mix"
     calls = (
         lambda: client.completions.create(model=tiny_target, prompt="1+1=", max_tokens=4),

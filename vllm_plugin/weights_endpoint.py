@@ -17,7 +17,8 @@ weights change; then the prefix cache is reset with the running requests preempt
 that no request, in flight or new, computes with KV of the old weights. A swap whose load
 failed and whose restore failed too (500, "mixed"), or whose cache reset failed (500),
 leaves a server that answers 503 to every other POST (completions, chat, ...) until a
-whole swap of that role succeeds.
+whole swap of that role succeeds; the requests that were in flight are aborted, and the
+engine stays paused until then.
 """
 
 from __future__ import annotations
@@ -66,9 +67,17 @@ async def swap_weights(body: SwapRequest, request: Request):
     async with state.grpo_swap_lock:
         await engine.pause_generation(mode="keep", clear_cache=False)
         try:
-            return await _swap_while_paused(engine, state, body)
-        finally:
+            response = await _swap_while_paused(engine, state, body)
+        except BaseException:
             await engine.resume_generation()
+            raise
+        if _refusal(state):
+            # Nothing may run on weights that may be a mix or on stale KV: the frozen
+            # requests are aborted, and the engine stays paused until a swap succeeds.
+            await engine.pause_generation(mode="abort", clear_cache=False)
+        else:
+            await engine.resume_generation()
+        return response
 
 
 async def _swap_while_paused(engine, state, body: SwapRequest):
