@@ -11,6 +11,7 @@ its writing and its loading, so it is refused, never repaired.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -44,22 +45,28 @@ def swap_folder() -> Path:
 
 
 def open_swap_file(path: str) -> int:
-    """A read-only descriptor of the weight file at `path`, which must resolve to a file
-    directly inside the swap folder. The file may be unlinked once it is open: the
-    descriptor keeps it readable for as long as it is held."""
-    folder = swap_folder().resolve()
-    real = Path(os.path.realpath(path))
-    if real.parent != folder:
-        raise WeightSwapError(
-            f"refused weight file {path}: weights are loaded only from files written to the "
-            f"swap folder {folder} by this server's user (the path resolves to {real})"
-        )
+    """A read-only descriptor of the weight file at `path`, which must name a file directly
+    inside the swap folder, not a link. The file may be unlinked once it is open: the
+    descriptor keeps it readable for as long as it is held. The path is checked as named,
+    never resolved, so a refusal tells the caller nothing about files outside the folder."""
+    folder = swap_folder()
+    refusal = WeightSwapError(
+        f"refused weight file {path}: weights are loaded only from files written to the "
+        f"swap folder {folder} by this server's user (no links)"
+    )
+    named = Path(os.path.abspath(path))
+    if named.parent != folder:
+        raise refusal
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(named, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise WeightSwapError(
             f"weight file {path} does not exist (its writer may have given up and removed it)"
         ) from None
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # a symlink, which O_NOFOLLOW does not follow
+            raise refusal from None
+        raise
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
         os.close(fd)

@@ -49,7 +49,7 @@ class WeightSwapExtension:
         state = getattr(self, "_grpo_swap_state", None)
         if state is None:
             # last_good: role -> files to reload it from (the checkpoint's, or an open swap file);
-            # held: role -> descriptor of the swap file of its last good weights;
+            # held: role -> the open swap file of its last good weights;
             # mixed: role -> why its weights may be a mix (a failed load, then a failed restore)
             state = {
                 "versions": {r: 0 for r in ROLES},
@@ -91,8 +91,10 @@ class WeightSwapExtension:
         t0 = time.perf_counter()
         manifest = self._grpo_manifest(role)
         what = f"{role} (version {version}, {Path(path).name})"
-        fd = open_swap_file(path)
-        opened = f"/proc/self/fd/{fd}"
+        # A file object, not a bare descriptor: the one kept for restores closes when the
+        # worker goes, freeing its unlinked shared memory.
+        held = os.fdopen(open_swap_file(path), "rb")
+        opened = f"/proc/self/fd/{held.fileno()}"
         state = self._grpo_state()
         try:
             with safe_open(opened, "pt") as f:
@@ -110,12 +112,12 @@ class WeightSwapExtension:
                     f"{failure}; restored version {state['versions'][role]}"
                 ) from err
         except BaseException:
-            os.close(fd)
+            held.close()
             raise
         previous = state["held"].pop(role, None)
         if previous is not None:
-            os.close(previous)
-        state["held"][role] = fd
+            previous.close()
+        state["held"][role] = held
         state["versions"][role] = version
         state["last_good"][role] = [opened]
         state["mixed"].pop(role, None)

@@ -290,6 +290,9 @@ def test_swap_files_outside_the_swap_folder_are_refused(private_base, tmp_path):
     for path in (outside, link, swap_folder() / ".." / outside.name, tmp_path / "missing"):
         with pytest.raises(WeightSwapError, match=f"refused weight file {path}: .* swap folder"):
             open_swap_file(str(path))
+    with pytest.raises(WeightSwapError) as refused:  # a link's target is not told
+        open_swap_file(str(link))
+    assert str(outside) not in str(refused.value)
     with pytest.raises(WeightSwapError, match="does not exist"):
         open_swap_file(str(swap_folder() / "policy-v3.safetensors"))
     fd = open_swap_file(str(inside))
