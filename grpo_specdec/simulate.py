@@ -250,6 +250,11 @@ def compare(
     unprofiled: UnprofiledCosts = NONE_UNPROFILED,
 ) -> dict[str, Replay]:
     """One replay of `workload` per compared policy (`compared_policies`)."""
+    if max_batch < len(workload.output_lengths):
+        raise ValueError(
+            f"max_batch={max_batch} is below the {len(workload.output_lengths)} requests of the "
+            "workload: a replay starts every request at once (no queue)"
+        )
     return {
         name: replay(latency, conditional, workload, policy, unprofiled)
         for name, policy in compared_policies(

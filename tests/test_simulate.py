@@ -165,3 +165,9 @@ def test_simulate_cli_prints_every_policy(tmp_path):
         assert f"| {name} |" in proc.stdout
     saved = json.loads(out.read_text())
     assert saved["policies"]["no spec"]["makespan_s"] > 0 and saved["recommended_table"]
+
+
+def test_a_batch_limit_below_the_requests_is_refused():
+    workload = Workload(np.array([4.0, 4.0, 4.0]), 16, 1.0)
+    with pytest.raises(ValueError, match="max_batch=2 is below the 3 requests"):
+        compare(LATENCY, [0.5, 0.5], workload, 2, 2)
