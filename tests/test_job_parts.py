@@ -7,6 +7,8 @@ import importlib
 import json
 import logging
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -252,3 +254,22 @@ def test_iteration_record_carries_sync_times_and_the_draft_lag():
     assert record["draft_policy_lag"] == 1
     assert record["policy_sync_s"] == 0.2 and record["draft_sync_s"] == 0.0
     assert "draft_seconds" not in record
+
+
+def test_an_engine_the_driver_starts_logs_to_the_file_too(tmp_path):
+    """vLLM reconfigures its logging from the environment when an engine starts in this
+    process (the job's latency profile): the routing must survive that."""
+    code = (
+        "from argparse import Namespace\n"
+        "from pathlib import Path\n"
+        "from grpo_specdec.job.logs import VllmLog\n"
+        f"log = VllmLog(Path({str(tmp_path)!r}))\n"
+        "from vllm.logger import configure_logging_from_args, init_logger\n"
+        "configure_logging_from_args(Namespace())  # what building an engine's args does\n"
+        "init_logger('vllm.probe').warning('probe warning')\n"
+        "log.close()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "probe warning" not in proc.stdout + proc.stderr
+    assert "probe warning" in (tmp_path / "vllm.log").read_text()

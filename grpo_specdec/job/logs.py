@@ -7,13 +7,15 @@ the outputs match). Each of these reaches the console from every engine, Ray for
 the actors' output, and buries the progress and the tables a user came for. So every
 vLLM record goes to OUT/vllm.log, only errors also to the console, and the job ends
 with a count of the warnings in the file. vLLM's processes take the same handlers from
-a logging config file (VLLM_LOGGING_CONFIG_PATH); this process gets them directly.
+a logging config file (VLLM_LOGGING_CONFIG_PATH, set for this process too, whose own
+engines read it); this process gets them directly as well.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -50,6 +52,10 @@ class VllmLog:
             "VLLM_LOGGING_CONFIG_PATH": str(config_file),
             "VLLM_LOGGING_LEVEL": self.level,
         }
+        # An engine this process starts (the latency profile's) reconfigures vLLM's logging
+        # from the environment, which must then name the same config.
+        self._saved_env = {k: os.environ.get(k) for k in self.worker_env}
+        os.environ.update(self.worker_env)
         self._logger = logging.getLogger("vllm")
         self._saved = (self._logger.handlers[:], self._logger.level, self._logger.propagate)
         self._handlers = [file_handler(str(self.path)), console_handler()]
@@ -89,6 +95,11 @@ class VllmLog:
         )
 
     def close(self) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         handlers, level, propagate = self._saved
         self._logger.handlers = handlers
         self._logger.setLevel(level)
