@@ -3,22 +3,15 @@ large share of the rollout's wall time.
 
     python benchmarks/tail_shape.py      # measures it (twice) and rewrites docs/benchmarks/tail_shape.md
 
-The shape: P arithmetic word problems of mixed difficulty (levels 1..4 in turn, the job's
-`data.levels: [1, 2, 3, 4]`) x G samples, T = 1, one global token cap well above the typical
-answer. SmolLM2-135M-Instruct as shipped does not stop on its own often enough for that:
-at T = 1 about a quarter of its answers turn into text that never reaches EOS (18 of 64
-answers to level-1 problems reached a 1024-token cap). So each request also gets its own length budget, a seeded log-normal
-draw, as its max_tokens: a stand-in for a policy trained to stop (e.g. with DAPO's overlong
-penalty). An answer ends at EOS, at its budget, or at the global cap, and the study counts
-each. Per-request finish times are vLLM's own (`RequestOutput.metrics`), each sample one
-request so each has its own.
+The shape and the tail figures are `grpo_specdec.tasks.tail_shape`'s (the job's
+end-of-run comparison uses them too). This study rolls it out with no speculation and
+counts how each answer ended: EOS, its own budget, or the global cap. Per-request finish
+times are vLLM's own (`RequestOutput.metrics`), each sample one request so each has its own.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +21,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
 from benchmarks.common import ASSETS, smollm2, write_study
-from grpo_specdec.tasks.arithmetic import MAX_LEVEL
-from grpo_specdec.tasks.datasets import ArithmeticSource
+from grpo_specdec.engine import Engine, EngineConfig, GenerationResult, SamplingSettings
+from grpo_specdec.tasks.tail_shape import (
+    TailShape,
+    in_flight,
+    share_of_time_at_most,
+    tail_shape,
+    tail_share,
+)
 
 # Seer (arXiv 2511.14617), veRL rollouts on H800 nodes: share of rollout time taken by the
 # last 10% of requests to finish (Fig. 8), and mean answer length over the cap (Table 3).
@@ -37,47 +36,6 @@ SEER_TAIL_SHARE = {"Moonlight": 0.46, "Qwen2-VL-72B": 0.50, "Kimi-K2": 0.26}
 SEER_MEAN_OVER_CAP = (1 / 5.4, 1 / 2.5)
 PERCENTILES = (10, 25, 50, 75, 90, 95, 99, 100)
 FEW_IN_FLIGHT = (8, 4)  # B at or below these: where speculation can pay on this CPU
-
-
-@dataclass(frozen=True)
-class TailShape:
-    """One rollout: request i answers prompts[i // group] within max_tokens[i] tokens,
-    sampling from seeds[i]."""
-
-    questions: list[str]
-    group: int
-    cap: int
-    max_tokens: list[int]
-    seeds: list[int]
-
-    @property
-    def prompts(self) -> list[str]:
-        return [q for q in self.questions for _ in range(self.group)]
-
-
-def tail_shape(
-    num_prompts: int = 8,
-    group: int = 8,
-    cap: int = 1024,
-    budget_median: int = 256,
-    budget_sigma: float = 0.7,
-    seed: int = 0,
-) -> TailShape:
-    """The shape: the same (arguments) always give the same prompts, budgets and seeds."""
-    if budget_median < 1 or budget_median > cap:
-        raise ValueError(f"budget_median must lie in 1..cap={cap}, got {budget_median}")
-    if budget_sigma < 0:
-        raise ValueError(f"budget_sigma must be non-negative, got {budget_sigma}")
-    source = ArithmeticSource(seed, list(range(1, MAX_LEVEL + 1)))
-    questions = [source.get(i).question for i in range(num_prompts)]
-    rng = random.Random(f"tail-shape:{seed}")
-    n = num_prompts * group
-    budgets = [
-        min(cap, max(16, round(budget_median * math.exp(rng.gauss(0.0, budget_sigma)))))
-        for _ in range(n)
-    ]
-    seeds = [rng.randrange(1 << 31) for _ in range(n)]
-    return TailShape(questions, group, cap, budgets, seeds)
 
 
 @dataclass(frozen=True)
@@ -91,64 +49,29 @@ class Finished:
     end_s: float
 
 
-def rollout(engine, shape: TailShape) -> list[Finished]:
+def rollout(engine, shape: TailShape) -> tuple[list[Finished], GenerationResult]:
     """Roll the shape out at T = 1 from an empty prefix cache, one request per sample.
 
     Each request is seeded, unless the engine speculates (vLLM 0.32 on CPU cannot then; the
     engine-wide seed is used). vLLM 0.32 on CPU also fails a seeded request whose prefill is
     split over steps, so the engine must schedule every prompt's prefill in one step
     (`max_num_batched_tokens` at least the prompts' total length)."""
-    from vllm import SamplingParams
-
-    seeded = engine.cfg.speculative is None
-    params = [
-        SamplingParams(temperature=1.0, max_tokens=m, seed=s if seeded else None)
-        for m, s in zip(shape.max_tokens, shape.seeds, strict=True)
-    ]
-    prompts = [{"prompt_token_ids": engine.encode(p)} for p in shape.prompts]
     engine.llm.reset_prefix_cache()
-    raw = engine.llm.generate(prompts, params, use_tqdm=False)
-    t0 = min(r.metrics.scheduled_ts for r in raw)
+    res = engine.generate(
+        shape.prompts,
+        SamplingSettings(temperature=1.0, max_tokens=shape.cap),
+        seeds=shape.seeds,
+        max_tokens=shape.max_tokens,
+    )
     finished = []
-    for r in raw:
-        out = r.outputs[0]
+    for (out,), start, end in zip(res.outputs, res.scheduled_s, res.finished_s, strict=True):
         tokens = len(out.token_ids)
         if out.finish_reason == "stop":
             ending = "eos"
         else:
             ending = "cap" if tokens >= shape.cap else "budget"
-        finished.append(
-            Finished(tokens, ending, r.metrics.scheduled_ts - t0, r.metrics.last_token_ts - t0)
-        )
-    return finished
-
-
-def tail_share(ends: list[float], fraction: float = 0.1) -> float:
-    """Share of the makespan after all but the last `fraction` of requests had finished:
-    (makespan - time at which 1 - fraction of them had) / makespan."""
-    if not ends:
-        raise ValueError("tail_share needs at least one finish time")
-    done = sorted(ends)
-    makespan = done[-1]
-    before_tail = done[math.ceil((1 - fraction) * len(done)) - 1]
-    return (makespan - before_tail) / makespan if makespan > 0 else 0.0
-
-
-def in_flight(starts: list[float], ends: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    """B over time as a step function: B = counts[i] from times[i] to times[i + 1] (the
-    last count, 0, holds after the last request finished)."""
-    events = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends])
-    times = np.array([t for t, _ in events])
-    counts = np.cumsum([d for _, d in events])
-    last = np.r_[times[1:] != times[:-1], True]  # several events at one instant: the last
-    return times[last], counts[last]
-
-
-def share_of_time_at_most(times: np.ndarray, counts: np.ndarray, b: int) -> float:
-    """Share of the time from the first start to the last finish spent with 1..b in flight."""
-    dt = np.diff(times)
-    held = counts[:-1]
-    return float(dt[(held >= 1) & (held <= b)].sum() / dt.sum())
+        finished.append(Finished(tokens, ending, start, end))
+    return finished, res
 
 
 def _summary(runs: list[list[Finished]], cap: int) -> dict:
@@ -248,8 +171,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=int, default=2, help="rollouts of the same shape")
     args = ap.parse_args()
-    from grpo_specdec.engine import Engine, EngineConfig
-
     shape = tail_shape(
         args.prompts, args.group, args.cap, args.budget_median, args.budget_sigma, args.seed
     )
@@ -259,7 +180,7 @@ def main() -> None:
     )
     runs = []
     for i in range(args.runs):
-        runs.append(rollout(engine, shape))
+        runs.append(rollout(engine, shape)[0])
         print(f"run {i + 1}: tail share {tail_share([f.end_s for f in runs[-1]]):.0%}", flush=True)
     engine.shutdown()
     summary = _summary(runs, shape.cap)

@@ -115,6 +115,10 @@ class GenerationResult:
     outputs: list[list[Sample]]  # [prompt][sample]
     spec: dict
     wall_s: float
+    # Per prompt (one vLLM request), seconds since the call's first scheduling: when it was
+    # first scheduled and when its last token came (vLLM's own request timestamps).
+    scheduled_s: list[float] = field(default_factory=list)
+    finished_s: list[float] = field(default_factory=list)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -215,9 +219,11 @@ class Engine:
         chat: bool = True,
         use_tqdm: bool = False,
         seeds: list[int] | None = None,
+        max_tokens: list[int] | None = None,
     ) -> GenerationResult:
         """`seeds`: one per prompt, instead of `sampling.seed` for all (a prompt's samples
-        then follow its own seed, whatever else the engine serves)."""
+        then follow its own seed, whatever else the engine serves). `max_tokens`: one per
+        prompt, instead of `sampling.max_tokens` for all."""
         from vllm import SamplingParams
 
         if not prompts:
@@ -238,14 +244,17 @@ class Engine:
                     f"prompt {i} has {len(p)} tokens, which leaves no room to generate within "
                     f"max_model_len={self.cfg.max_model_len}"
                 )
-        if seeds is not None and len(seeds) != len(ids):
-            raise ValueError(f"{len(seeds)} seeds for {len(ids)} prompts")
+        for name, per_prompt in (("seeds", seeds), ("max_tokens", max_tokens)):
+            if per_prompt is not None and len(per_prompt) != len(ids):
+                raise ValueError(f"{len(per_prompt)} {name} for {len(ids)} prompts")
+        if max_tokens is not None and min(max_tokens) < 1:
+            raise ValueError(f"max_tokens must be at least 1 per prompt, got {min(max_tokens)}")
         params = [
             SamplingParams(
                 n=sampling.n,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
-                max_tokens=sampling.max_tokens,
+                max_tokens=sampling.max_tokens if max_tokens is None else max_tokens[i],
                 seed=self._request_seed(sampling.seed if seeds is None else seeds[i]),
                 ignore_eos=sampling.ignore_eos,
             )
@@ -261,7 +270,15 @@ class Engine:
             outputs.append([Sample(o.text, list(o.token_ids), o.finish_reason) for o in group])
             for o in group:
                 counters.observe_sequence(o.spec_decode_metrics)
-        return GenerationResult(ids, outputs, counters.metrics(), wall)
+        t0 = min(r.metrics.scheduled_ts for r in raw)
+        return GenerationResult(
+            ids,
+            outputs,
+            counters.metrics(),
+            wall,
+            [r.metrics.scheduled_ts - t0 for r in raw],
+            [r.metrics.last_token_ts - t0 for r in raw],
+        )
 
     def _request_seed(self, seed: int | None) -> int | None:
         # vLLM 0.32 on CPU cannot combine per-request seeds with speculative decoding

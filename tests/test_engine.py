@@ -49,6 +49,27 @@ def test_spec_metrics_are_consistent(eagle_engine, questions):
     assert m["mean_acceptance_length"] == pytest.approx(m["accepted_tokens"] / m["drafts"] + 1)
 
 
+def test_each_prompt_gets_its_own_token_budget_and_finish_time(eagle_engine, questions):
+    budgets = [3, 40, 12]
+    out = eagle_engine.generate(
+        questions[:3], SamplingSettings(max_tokens=64, ignore_eos=True), max_tokens=budgets
+    )
+    assert [len(g[0].token_ids) for g in out.outputs] == budgets
+    assert min(out.scheduled_s) == 0.0
+    # A step makes at most 1 + k tokens of each: the longest budget finishes last.
+    order = sorted(range(3), key=lambda i: out.finished_s[i])
+    assert order == [0, 2, 1]
+    assert all(f > s for s, f in zip(out.scheduled_s, out.finished_s, strict=True))
+    assert max(out.finished_s) <= out.wall_s
+
+
+def test_per_prompt_budgets_are_checked(plain_engine, questions):
+    with pytest.raises(ValueError, match="2 max_tokens for 3 prompts"):
+        plain_engine.generate(questions[:3], GREEDY, max_tokens=[4, 4])
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        plain_engine.generate(questions[:2], GREEDY, max_tokens=[4, 0])
+
+
 def test_chat_template_and_raw_prompts_differ(plain_engine):
     chat = plain_engine.encode("Ana has 3 apples.")
     raw = plain_engine.encode("Ana has 3 apples.", chat=False)

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.tail_shape import in_flight, share_of_time_at_most, tail_shape, tail_share
 from grpo_specdec.tasks.arithmetic import MAX_LEVEL, make_problem
 from grpo_specdec.tasks.rewards import overlong_penalty
+from grpo_specdec.tasks.tail_shape import (
+    in_flight,
+    share_of_time_at_most,
+    tail_phase_s,
+    tail_shape,
+    tail_share,
+)
 
 
 def test_overlong_penalty_is_free_then_falls_linearly_to_the_full_penalty_at_the_cap():
@@ -73,6 +79,13 @@ def test_tail_share_is_the_makespan_after_nine_tenths_finished():
     assert tail_share([2.0] * 10) == 0.0
     ends = list(range(1, 21))  # 18 of 20 done at 18 s, makespan 20 s
     assert tail_share([float(t) for t in ends]) == pytest.approx(0.1)
+
+
+def test_tail_phase_is_the_time_after_nine_tenths_finished_in_any_order():
+    assert tail_phase_s([4.0] + [1.0] * 9) == pytest.approx(3.0)
+    assert tail_phase_s([3.0, 1.0, 2.0, 2.5], fraction=0.5) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="finish time"):
+        tail_phase_s([])
 
 
 def test_in_flight_counts_requests_between_their_start_and_finish():
