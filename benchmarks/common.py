@@ -10,7 +10,7 @@ import sys
 from datetime import date
 from pathlib import Path
 
-from grpo_specdec.assets.smollm2 import DEFAULT_DRAFT_VOCAB, head_dir
+from grpo_specdec.assets.smollm2 import DEFAULT_DRAFT_VOCAB, default_dir, head_dir
 from vllm_plugin.settings import PROFILE_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200, prompts: in
     TV term added."""
     start = smollm2_head(target)
     more = "" if prompts == 512 else f"-p{prompts}"
-    out = Path(start).parent / f"{Path(start).name}-t1-tv{tv_weight:g}-s{steps}{more}"
+    out = default_dir().parent / "heads" / f"{Path(start).name}-t1-tv{tv_weight:g}-s{steps}{more}"
     if not (out / "model.safetensors").is_file():
         _draft_train(
             target,

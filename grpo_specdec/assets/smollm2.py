@@ -30,9 +30,16 @@ def default_dir() -> Path:
 DEFAULT_DRAFT_VOCAB = 4096
 
 
+# Heads shipped inside the package, built by `grpo-specdec draft train` (see its README).
+SHIPPED_HEADS = Path(__file__).parent / "heads"
+
+
 def head_dir(draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> Path:
-    """Where the arithmetic-bootstrapped head lives (None: the full-vocabulary one)."""
+    """Where the arithmetic-bootstrapped head lives (None: the full-vocabulary one): the
+    package's copy where it ships one, else the cache, where it is built on first use."""
     name = "smollm2-arith" if draft_vocab is None else f"smollm2-arith-v{draft_vocab}"
+    if (SHIPPED_HEADS / name / "model.safetensors").is_file():
+        return SHIPPED_HEADS / name
     return default_dir().parent / "heads" / name
 
 
