@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 from benchmarks.common import ASSETS, load_json, write_study
 from benchmarks.rollout_throughput import SHAPES
 from grpo_specdec.simulate import (
+    VLLM_EXAMPLE_TABLES,
     Workload,
     compare,
     lengths_from_trace,
@@ -42,11 +43,6 @@ NIM_ITL_MS = {1: 4.63, 50: 5.91, 100: 7.57, 150: 9.81, 200: 12.65, 250: 16.14}
 # target step, flat and per sequence alike; verification overhead assumed nil.
 DRAFT_SHARE = 0.10
 PUBLISHED_PROFILE = ASSETS / "gpu_profile_published_llama31_8b.json"
-# vLLM's docs' example static tables (dynamic speculation), EAGLE and EAGLE-3 on Llama-3.1-8B.
-VLLM_EXAMPLE_TABLES = {
-    "EAGLE": [[1, 64, 3], [65, 128, 1], [129, 512, 0]],
-    "EAGLE-3": [[1, 16, 5], [17, 32, 4], [33, 64, 3], [65, 128, 1], [129, 512, 0]],
-}
 # Assumed acceptance of an 8B EAGLE-3 head: 0.9 at each of 7 chain positions (E[tokens | 7]
 # = 5.7), near the ~6 acceptance length the EAGLE-3 paper reports at depth 7 with trees at
 # T = 0; not verified from the notes, and optimistic for T = 1 rollouts.

@@ -11,7 +11,11 @@ Workloads:
   decays as sequences finish): `untrained` (SmolLM2 as shipped, 8 x 8, max 256 tokens),
   `trained` (the policy after --trained-iterations of `grpo-specdec train` at
   --trained-lr, with the head it learnt online; trained here if absent) and `long` (4 x
-  16, max 512 tokens).
+  16, max 512 tokens);
+- the tail shape (`benchmarks/tail_shape.py`: 8 mixed-level prompts x 8 samples, each its
+  own request with its own length budget under a 1024 cap), where the last tenth of the
+  requests take a third of the no-speculation wall time: its makespan and its tail phase
+  (after 90% of the requests finished) are reported apart.
 One speculative engine per policy serves every speculative configuration (the
 scheduler's k source is switched between runs); a plain engine with no draft is the
 baseline. Configurations are interleaved and repeated; each keeps its own acceptance
@@ -43,8 +47,9 @@ from benchmarks.common import (
     write_study,
 )
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
-from grpo_specdec.simulate import recommend_table
+from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES, recommend_table
 from grpo_specdec.tasks.arithmetic import make_problems
+from grpo_specdec.tasks.tail_shape import in_flight, tail_phase_s, tail_shape
 from grpo_specdec.vllm_compat import dense_k_table
 from vllm_plugin.controller import (
     AcceptanceEstimator,
@@ -63,6 +68,9 @@ SHAPES = {
     "trained": ("trained", 8, 8, 256),
     "long": ("base", 4, 16, 512),
 }
+TAIL = tail_shape()  # the tail shape's defaults: 8 x 8 requests, budgets under a 1024 cap
+TAIL_FRACTION = 0.1  # the tail phase: after all but this share of the requests finished
+VLLM_EXAMPLE_TABLES_NAMES = [f"vLLM example table ({n})" for n in VLLM_EXAMPLE_TABLES]
 FEW_IN_FLIGHT = 8  # "few sequences in flight": B at or below this
 # Prompts unlike the head's training task (arithmetic word problems).
 OUTSIDE_PROMPTS = [
@@ -90,35 +98,43 @@ class Config:
     with_history: bool = False  # ... and starts each run from an earlier rollout's answers
 
 
-def run(engine: Engine, prompts: list[str], sampling: SamplingSettings) -> dict:
-    res = engine.generate(prompts, sampling)
+def run(engine: Engine, prompts: list[str], sampling: SamplingSettings, per_request) -> dict:
+    res = engine.generate(prompts, sampling, **per_request)
     return {
         "wall_s": res.wall_s,
         "tokens": res.num_generated_tokens,
         "mean_acceptance_length": res.spec["mean_acceptance_length"],
+        "scheduled_s": res.scheduled_s,
+        "finished_s": res.finished_s,
     }
 
 
 def run_config(
-    config: Config, prompts: list[str], sampling: SamplingSettings, history=None
+    config: Config,
+    prompts: list[str],
+    sampling: SamplingSettings,
+    history=None,
+    per_request: dict | None = None,
 ) -> dict:
     """One run from this configuration's own state: its policy and estimator in the
     scheduler, an empty prefix cache (no run reuses another's prefill), and for group
-    drafts an empty history (or, with_history, the answers of `history` only)."""
+    drafts an empty history (or, with_history, the answers of `history` only).
+    `per_request`: Engine.generate's per-prompt seeds and max_tokens."""
+    per_request = per_request or {}
     config.engine.llm.reset_prefix_cache()
     if config.group:
         config.engine.group_draft_reset()
         if config.with_history and history is not None:
             config.engine.group_draft_add_history(history)
     if config.policy is None:
-        out = run(config.engine, prompts, sampling)
+        out = run(config.engine, prompts, sampling, per_request)
     else:
         scheduler = config.engine.scheduler()
         scheduler.set_policy(config.policy, config.acceptance)
         mark = scheduler.steps_scheduled
         free_k0_v0_32.ENABLED = config.free_k0
         try:
-            out = run(config.engine, prompts, sampling)
+            out = run(config.engine, prompts, sampling, per_request)
         finally:
             free_k0_v0_32.ENABLED = True
         out["trace"] = [(t, b, k) for t, b, k, _ in scheduler.steps_since(mark)]
@@ -132,13 +148,23 @@ def group_configs(
 ) -> dict[str, Config]:
     """Drafts from the group's text: alone (no draft model; vLLM's model-free ngram host),
     and next to the EAGLE head under our controller, each with its own estimator."""
-    ours = hybrid.scheduler().new_acceptance()
+    scheduler = hybrid.scheduler()
+
+    def hybrid_config(with_history: bool) -> Config:
+        ours = scheduler.new_acceptance()
+        return Config(
+            hybrid,
+            GoodputPolicy(latency, ours, max_batch),
+            ours,
+            group=True,
+            with_history=with_history,
+        )
+
     return {
         "group": Config(group_only, group=True),
         "group +history": Config(group_only, group=True, with_history=True),
-        "hybrid +history": Config(
-            hybrid, GoodputPolicy(latency, ours, max_batch), ours, group=True, with_history=True
-        ),
+        "ours + group": hybrid_config(False),
+        "ours + group +history": hybrid_config(True),
     }
 
 
@@ -183,6 +209,12 @@ def compared_configs(
         "k=0, vLLM as shipped": Config(spec, FixedPolicy(0), scheduler.new_acceptance(), False),
         **{f"k={k}": on_spec(FixedPolicy(k)) for k in range(1, k_max + 1)},
         "static table": on_spec(dense_k_table(table, max_batch, k_max)),
+        **{
+            label: on_spec(dense_k_table(example, max_batch, k_max))
+            for label, example in zip(
+                VLLM_EXAMPLE_TABLES_NAMES, VLLM_EXAMPLE_TABLES.values(), strict=True
+            )
+        },
         "paper rule": on_spec(PaperPolicy(latency.c_peak, k_max)),
         "ours": on_spec(GoodputPolicy(latency, ours, max_batch), ours),
     }
@@ -198,7 +230,14 @@ def main() -> None:
     ap.add_argument(
         "--tokens", type=int, default=64, help="tokens per request, fixed-concurrency workload"
     )
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="GRPO shapes to run")
+    ap.add_argument(
+        "--shapes", default=",".join([*SHAPES, "tail"]), help="GRPO shapes to run (and `tail`)"
+    )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated configurations to run (no spec always runs); default: all",
+    )
     ap.add_argument("--trained-iterations", type=int, default=12)
     ap.add_argument("--trained-lr", type=float, default=1e-4)
     ap.add_argument("--repeats", type=int, default=2)
@@ -226,9 +265,13 @@ def main() -> None:
     )
     ap.add_argument("--note", default="", help="a paragraph on what this run is for")
     args = ap.parse_args()
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    temperatures = [float(t) for t in args.temperatures.split(",")]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    temperatures = [float(t) for t in args.temperatures.split(",") if t]
     shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES and s != "tail"]
+    if unknown:
+        ap.error(f"--shapes: unknown {unknown}; known: {[*SHAPES, 'tail']}")
+    grpo_shapes = [s for s in shapes if s != "tail"]
 
     target = smollm2()
     # Every head of the default's architecture and vocabulary size costs the same.
@@ -238,27 +281,38 @@ def main() -> None:
         sampled_profile = smollm2_profile(target, smollm2_head(target), args.k_max, "probabilistic")
         sampled_latency = LatencyModel.from_dict(load_json(sampled_profile)["latency"])
     models = {"base": (target, args.head or smollm2_head(target))}
-    if any(SHAPES[s][0] == "trained" for s in shapes):
+    if any(SHAPES[s][0] == "trained" for s in grpo_shapes):
         models["trained"] = trained_policy(args.trained_iterations, args.trained_lr)
     max_batch = max(
-        [*batch_sizes, len(OUTSIDE_PROMPTS), *(SHAPES[s][1] * SHAPES[s][2] for s in shapes)]
+        [
+            *batch_sizes,
+            len(OUTSIDE_PROMPTS),
+            *(SHAPES[s][1] * SHAPES[s][2] for s in grpo_shapes),
+            *([len(TAIL.prompts)] if "tail" in shapes else []),
+        ]
     )
 
-    # Workloads: (section, key, policy, prompts, sampling).
+    # Workloads: (section, key, policy, prompts, sampling, per-request settings).
     questions = [p.question for p in make_problems(max_batch, seed=7, level=2)]
     workloads = []
     for temp in temperatures:
         for b in batch_sizes:
             sampling = SamplingSettings(max_tokens=args.tokens, ignore_eos=True, temperature=temp)
-            workloads.append(("fixed", f"{temp:g}/{b}", "base", questions[:b], sampling))
+            workloads.append(("fixed", f"{temp:g}/{b}", "base", questions[:b], sampling, {}))
         for b in (1, len(OUTSIDE_PROMPTS)):
             sampling = SamplingSettings(max_tokens=args.tokens, ignore_eos=True, temperature=temp)
-            workloads.append(("outside", f"{temp:g}/{b}", "base", OUTSIDE_PROMPTS[:b], sampling))
-    for shape in shapes:
+            workloads.append(
+                ("outside", f"{temp:g}/{b}", "base", OUTSIDE_PROMPTS[:b], sampling, {})
+            )
+    for shape in grpo_shapes:
         policy, n_prompts, group, cap = SHAPES[shape]
         prompts = [p.question for p in make_problems(n_prompts, seed=11, level=2)]
         sampling = SamplingSettings(n=group, temperature=1.0, max_tokens=cap)
-        workloads.append(("grpo", shape, policy, prompts, sampling))
+        workloads.append(("grpo", shape, policy, prompts, sampling, {}))
+    if "tail" in shapes:
+        sampling = SamplingSettings(temperature=1.0, max_tokens=TAIL.cap)
+        budgets = {"seeds": TAIL.seeds, "max_tokens": TAIL.max_tokens}
+        workloads.append(("tail", "tail", "base", TAIL.prompts, sampling, budgets))
 
     # One policy at a time (its engines, then the next policy's): every configuration of a
     # workload still runs side by side, interleaved, in each repeat.
@@ -271,64 +325,44 @@ def main() -> None:
         common = dict(
             model=model, max_model_len=1024, max_num_seqs=max_batch, kv_cache_gib=1.5, seed=0
         )
+        scheduling = {}
+        if any(w[0] == "tail" for w in own_workloads):
+            common["max_model_len"] = TAIL.cap + 256
+            # vLLM 0.32 on CPU fails a seeded request whose prefill is split over steps:
+            # every engine schedules the tail shape's prefills in one step.
+            scheduling["max_num_batched_tokens"] = len(TAIL.prompts) * 256
         controller = {"policy": "goodput", "profile": str(profile_path)}
         with_group = {**controller, "group": {"enabled": True}}
-        plain = Engine(EngineConfig(**common))
-        spec = Engine(
-            EngineConfig(
-                **common,
-                speculative={
-                    "draft": draft,
-                    "k": args.k_max,
-                    "concurrency_aware": True,
-                    "controller": controller,
-                },
-            )
-        )
+
+        def engine(common=common, scheduling=scheduling, **speculative) -> Engine:
+            spec_cfg = speculative or None
+            return Engine(EngineConfig(**common, speculative=spec_cfg), **scheduling)
+
+        eagle = {"draft": draft, "k": args.k_max, "concurrency_aware": True}
+        plain = engine()
+        spec = engine(**eagle, controller=controller)
         engines = [plain, spec]
         if args.group:
-            group_only = Engine(
-                EngineConfig(
-                    **common,
-                    speculative={"draft": None, "k": args.group_k_max, "controller": with_group},
-                )
-            )
-            hybrid = Engine(
-                EngineConfig(
-                    **common,
-                    speculative={
-                        "draft": draft,
-                        "k": args.k_max,
-                        "concurrency_aware": True,
-                        "controller": with_group,
-                    },
-                )
-            )
+            group_only = engine(draft=None, k=args.group_k_max, controller=with_group)
+            hybrid = engine(**eagle, controller=with_group)
             engines += [group_only, hybrid]
         if args.sampled:
-            sampled = Engine(
-                EngineConfig(
-                    **common,
-                    speculative={
-                        "draft": draft,
-                        "k": args.k_max,
-                        "draft_sampling": "probabilistic",
-                        "concurrency_aware": True,
-                        "controller": {"policy": "goodput", "profile": str(sampled_profile)},
-                    },
-                )
+            sampled = engine(
+                **eagle,
+                draft_sampling="probabilistic",
+                controller={"policy": "goodput", "profile": str(sampled_profile)},
             )
             engines.append(sampled)
         # Calibrate the static table the way a user would: measure acceptance once at
         # k_max, on this policy's own GRPO-shaped rollout.
         spec.scheduler().set_policy(FixedPolicy(args.k_max))
-        own = [w for w in own_workloads if w[0] == "grpo"]
-        calib_prompts, calib_sampling = (
-            (own[0][3], own[0][4])
+        own = [w for w in own_workloads if w[0] in ("grpo", "tail")]
+        calib_prompts, calib_sampling, calib_per_request = (
+            own[0][3:]
             if own
-            else (questions[:8], SamplingSettings(n=8, temperature=1.0, max_tokens=256))
+            else (questions[:8], SamplingSettings(n=8, temperature=1.0, max_tokens=256), {})
         )
-        measured = spec.generate(calib_prompts, calib_sampling).spec
+        measured = spec.generate(calib_prompts, calib_sampling, **calib_per_request).spec
         conditional = conditional_from_cumulative(measured["per_position_acceptance"])
         calibration[name] = conditional.tolist()
         tables[name] = recommend_table(latency, conditional, args.k_max, max_batch)
@@ -337,23 +371,33 @@ def main() -> None:
             configs.update(group_configs(group_only, hybrid, latency, max_batch))
         if args.sampled:
             configs.update(sampled_configs(sampled, sampled_latency, args.k_max, max_batch))
+        if args.only:
+            keep = {"no spec", *args.only.split(",")}
+            if keep - set(configs):
+                ap.error(f"--only: unknown {sorted(keep - set(configs))}; known: {list(configs)}")
+            configs = {n: c for n, c in configs.items() if n in keep}
         # "+history": the answers of an earlier rollout of the same prompts by this policy
         # (as in a GRPO epoch that comes back to them), made once with no speculation.
         history = {
-            (section, key): plain.generate(prompts, sampling)
-            for section, key, _, prompts, sampling in own_workloads
-            if section == "grpo" and args.group
+            (section, key): plain.generate(prompts, sampling, **per_request)
+            for section, key, _, prompts, sampling, per_request in own_workloads
+            if section in ("grpo", "tail")
+            and args.group
+            and any(c.with_history for c in configs.values())
         }
         for config in configs.values():  # warm every engine and estimator before timing
             run_config(config, questions[:4], SamplingSettings(max_tokens=8, ignore_eos=True))
         for rep in range(args.repeats):
-            for section, key, _, prompts, sampling in own_workloads:
+            for section, key, _, prompts, sampling, per_request in own_workloads:
                 for cname, config in configs.items():
                     runs = results.setdefault(section, {}).setdefault(key, {}).setdefault(cname, [])
-                    runs.append(run_config(config, prompts, sampling, history.get((section, key))))
+                    out = run_config(
+                        config, prompts, sampling, history.get((section, key)), per_request
+                    )
+                    runs.append(out)
                 print(f"{name} repeat {rep + 1}/{args.repeats}: {section} {key} done", flush=True)
-        for engine in engines:
-            engine.shutdown()
+        for e in engines:
+            e.shutdown()
 
     def summary(runs: list[dict]) -> dict:
         out = {
@@ -371,6 +415,10 @@ def main() -> None:
             out["few_in_flight_share"] = statistics.median(
                 few_in_flight_share(r["trace"]) for r in runs
             )
+        out["makespan_s"] = statistics.median(max(r["finished_s"]) for r in runs)
+        out["tail_s"] = statistics.median(
+            tail_phase_s(r["finished_s"], TAIL_FRACTION) for r in runs
+        )
         return out
 
     report_data = {
@@ -386,9 +434,16 @@ def main() -> None:
             for section, keyed in results.items()
         },
         "traces": {
-            shape: results["grpo"][shape]["ours"][-1]["trace"]
-            for shape in shapes
-            if "grpo" in results
+            key: per["ours"][-1]["trace"]
+            for section in ("grpo", "tail")
+            for key, per in results.get(section, {}).items()
+            if "ours" in per
+        },
+        # The tail shape's requests, each (first scheduled, last token), in each
+        # configuration's last run: B over time.
+        "tail_timelines": {
+            n: list(zip(r[-1]["scheduled_s"], r[-1]["finished_s"], strict=True))
+            for n, r in results.get("tail", {}).get("tail", {}).items()
         },
         "args": vars(args),
         "command": shlex.join(["python", "benchmarks/rollout_throughput.py", *sys.argv[1:]]),
@@ -514,6 +569,9 @@ def report(r: dict) -> str:
                 f"| {n} | {v['tokens_per_s']:.0f} | {v['tokens_per_s'] / base:.2f}x | "
                 f"{v['wall_s']:.1f} | {v['mal']:.2f} | " + " | ".join(by_source) + " |"
             )
+    tail = res.get("tail", {}).get("tail")
+    if tail:
+        lines += ["", *_tail_report(tail, a)]
     tag = a["study"]
     lines += [
         "",
@@ -521,23 +579,61 @@ def report(r: dict) -> str:
         + "; ".join(f"{p}: `{t}`" for p, t in r["static_tables"].items())
         + " (from the profile and acceptance measured once at k_max on that policy's GRPO rollout).",
         "",
-        f"![throughput vs B](../assets/{tag}_vs_b.png)",
+        *([f"![throughput vs B](../assets/{tag}_vs_b.png)"] * bool(fixed)),
         *(
             ["", f"![concurrency and k over each GRPO rollout](../assets/{tag}_k_trace.png)"]
-            * bool(grpo)
+            * bool(r["traces"])
         ),
+        *(["", f"![the tail shape's B over time](../assets/{tag}_tail_b.png)"] * bool(tail)),
     ]
     return "\n".join(lines)
 
 
-def plot(r: dict) -> None:
-    import matplotlib
+def _tail_report(per: dict, a: dict) -> list[str]:
+    base = per["no spec"]
+    fixed = [n for n in per if n.startswith(("k=", "sampled k=")) and not n.startswith("k=0")]
+    best_fixed = min(fixed, key=lambda n: per[n]["makespan_s"], default=None)
+    lines = [
+        f"### Tail shape: {len(TAIL.questions)} mixed-level prompts x {TAIL.group} samples, T=1, "
+        f"each request its own budget under a {TAIL.cap} cap (`benchmarks/tail_shape.py`)",
+        "",
+        "Makespan: the rollout's wall time from its first scheduling to its last token; tail "
+        f"phase: from the moment {1 - TAIL_FRACTION:.0%} of the requests had finished to the "
+        "last. Speedups are no speculation's time over the configuration's (higher is better).",
+        "",
+        "| config | makespan s | speedup | tail phase s | tail speedup | tokens/s | mean acceptance length "
+        "| group tokens drafted / accepted | model tokens drafted / accepted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, v in per.items():
+        by_source = [
+            f"{v[f'{s}_draft_tokens']:.0f} / {v[f'{s}_accepted_tokens']:.0f}"
+            if f"{s}_draft_tokens" in v
+            else ""
+            for s in ("group", "model")
+        ]
+        lines.append(
+            f"| {n} | {v['makespan_s']:.1f} | {base['makespan_s'] / v['makespan_s']:.2f}x | "
+            f"{v['tail_s']:.1f} | {base['tail_s'] / v['tail_s']:.2f}x | {v['tokens_per_s']:.0f} | "
+            f"{v['mal']:.2f} | " + " | ".join(by_source) + " |"
+        )
+    rivals = [best_fixed, "static table", "paper rule", *VLLM_EXAMPLE_TABLES_NAMES]
+    for ours in ("ours", "sampled ours", "ours + group"):
+        if ours in per:
+            lines += [
+                "",
+                f"{ours} vs "
+                + ", ".join(
+                    f"{n}: {per[n]['makespan_s'] / per[ours]['makespan_s']:.2f}x"
+                    for n in rivals
+                    if n in per
+                )
+                + f" in makespan (best fixed k: {best_fixed}).",
+            ]
+    return lines
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fixed = r["results"].get("fixed", {})
-    temps = sorted({k.split("/")[0] for k in fixed}, key=float)
+def _plot_fixed(plt, fixed: dict, temps: list[str], path: Path) -> None:
     fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.5), squeeze=False)
     for ax, temp in zip(axes[0], temps, strict=True):
         keys = sorted(
@@ -562,8 +658,38 @@ def plot(r: dict) -> None:
         ax.set_xticks(bs, [str(b) for b in bs])
         ax.legend(fontsize=7)
     fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(r: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     tag = r["args"]["study"]
-    fig.savefig(ASSETS / f"{tag}_vs_b.png", dpi=120)
+    fixed = r["results"].get("fixed", {})
+    temps = sorted({k.split("/")[0] for k in fixed}, key=float)
+    if temps:
+        _plot_fixed(plt, fixed, temps, ASSETS / f"{tag}_vs_b.png")
+
+    timelines = r.get("tail_timelines", {})
+    if timelines:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for n in ("no spec", "ours", "ours + group", "static table"):
+            if n in timelines:
+                times, counts = in_flight(*map(list, zip(*timelines[n], strict=True)))
+                ax.step(times, counts, where="post", label=n)
+        ax.set(
+            xlabel="seconds since the first request was scheduled",
+            ylabel="sequences in flight B",
+            title="Tail shape: B over time",
+        )
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(ASSETS / f"{tag}_tail_b.png", dpi=120)
+        plt.close(fig)
 
     traces = {s: t for s, t in r["traces"].items() if t}
     if not traces:

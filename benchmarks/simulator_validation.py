@@ -27,6 +27,7 @@ from benchmarks.rollout_throughput import OUTSIDE_PROMPTS, SHAPES
 from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.simulate import (
     NONE_UNPROFILED,
+    VLLM_EXAMPLE_TABLES,
     Replay,
     UnprofiledCosts,
     Workload,
@@ -141,6 +142,9 @@ def setup_of(m: Measured, data: dict, latency: LatencyModel, conditional):
     if name == "static table":
         table = dense_k_table(data["static_tables"][m.model], max_batch, k_max)
         return table, latency, k_max, False
+    if name.startswith("vLLM example table ("):
+        table = VLLM_EXAMPLE_TABLES[name[len("vLLM example table (") : -1]]
+        return dense_k_table(table, max_batch, k_max), latency, k_max, False
     if name == "paper rule":
         return PaperPolicy(latency.c_peak, k_max), latency, k_max, False
     if name in ("group", "group +history"):  # no draft model: its drafts cost nothing to make
@@ -152,7 +156,7 @@ def setup_of(m: Measured, data: dict, latency: LatencyModel, conditional):
             k_group,
             False,
         )
-    # ours, sampled ours, hybrid +history: the goodput controller on the EAGLE engine
+    # ours, sampled ours, ours + group (+history): the goodput controller on the EAGLE engine
     return (
         GoodputPolicy(latency, FrozenAcceptance(conditional[:k_max]), max_batch),
         latency,

@@ -170,6 +170,14 @@ def compared_policies(
     return policies
 
 
+# vLLM's docs' example static tables (dynamic speculation), EAGLE and EAGLE-3 on
+# Llama-3.1-8B: what a user copies when they have no table of their own.
+VLLM_EXAMPLE_TABLES = {
+    "EAGLE": [[1, 64, 3], [65, 128, 1], [129, 512, 0]],
+    "EAGLE-3": [[1, 16, 5], [17, 32, 4], [33, 64, 3], [65, 128, 1], [129, 512, 0]],
+}
+
+
 def recommend_table(
     latency: LatencyModel, conditional, k_max: int, max_batch: int
 ) -> list[list[int]]:

@@ -104,3 +104,50 @@ def test_notes_are_kept_and_flagged_once_when_the_results_change(studies):
     assert "Measured on 2026-12-02" in text
     assert text.count(STALE_NOTES) == 1 and text.index(STALE_NOTES) < text.index(NOTES)
     assert text.rstrip().endswith("<!-- /reading -->")
+
+
+def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixed_k(
+    tmp_path, monkeypatch
+):
+    from benchmarks import rollout_throughput as rt
+
+    def run(makespan_s: float, tail_s: float) -> dict:
+        return {
+            "tokens_per_s": 10.0,
+            "wall_s": makespan_s,
+            "mal": 1.0,
+            "makespan_s": makespan_s,
+            "tail_s": tail_s,
+        }
+
+    per = {
+        "no spec": run(100, 40),
+        "k=1": run(95, 30),
+        "sampled k=2": run(90, 25),
+        "static table": run(96, 31),
+        "ours": run(80, 20),
+    }
+    result = {
+        "args": {"repeats": 1, "head": None, "study": "check", "tokens": 64},
+        "hardware": "cpu",
+        "k_max": 5,
+        "c_peak": 21,
+        "static_tables": {"base": [[1, 4, 2]]},
+        "results": {"tail": {"tail": per}},
+        "traces": {},
+        "tail_timelines": {"no spec": [(0.0, 1.0), (0.0, 3.0)], "ours": [(0.0, 0.5), (0.1, 2.0)]},
+    }
+    text = rt.report(result)
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in text.splitlines()
+        if line.startswith("| ")
+    }
+    assert [c.strip() for c in rows["ours"][:4]] == ["80.0", "1.25x", "20.0", "2.00x"]
+    assert (
+        "ours vs sampled k=2: 1.12x, static table: 1.20x in makespan (best fixed k: sampled k=2)"
+        in text
+    )
+    monkeypatch.setattr(rt, "ASSETS", tmp_path)
+    rt.plot(result)
+    assert (tmp_path / "check_tail_b.png").stat().st_size > 0

@@ -47,20 +47,33 @@ def tail_shape(
     seed: int = 0,
 ) -> TailShape:
     """The shape: the same (arguments) always give the same prompts, budgets and seeds."""
+    source = ArithmeticSource(seed, list(range(1, MAX_LEVEL + 1)))
+    questions = [source.get(i).question for i in range(num_prompts)]
+    return with_budgets(questions, group, cap, budget_median, budget_sigma, seed)
+
+
+def with_budgets(
+    questions: list[str],
+    group: int,
+    cap: int,
+    budget_median: int,
+    budget_sigma: float,
+    seed: int = 0,
+) -> TailShape:
+    """`questions` x `group` requests, each with its own seeded log-normal length budget
+    (at least 16 tokens, at most `cap`) and sampling seed."""
     if budget_median < 1 or budget_median > cap:
         raise ValueError(f"budget_median must lie in 1..cap={cap}, got {budget_median}")
     if budget_sigma < 0:
         raise ValueError(f"budget_sigma must be non-negative, got {budget_sigma}")
-    source = ArithmeticSource(seed, list(range(1, MAX_LEVEL + 1)))
-    questions = [source.get(i).question for i in range(num_prompts)]
     rng = random.Random(f"tail-shape:{seed}")
-    n = num_prompts * group
+    n = len(questions) * group
     budgets = [
         min(cap, max(16, round(budget_median * math.exp(rng.gauss(0.0, budget_sigma)))))
         for _ in range(n)
     ]
     seeds = [rng.randrange(1 << 31) for _ in range(n)]
-    return TailShape(questions, group, cap, budgets, seeds)
+    return TailShape(list(questions), group, cap, budgets, seeds)
 
 
 def tail_phase_s(ends: list[float], fraction: float = 0.1) -> float:
