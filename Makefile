@@ -41,13 +41,13 @@ $(STAMP): pyproject.toml
 test: setup
 	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider
 
-# A short SmolLM2 GRPO job: speculative rollouts with a draft head that starts untrained
-# and learns online; ends with a first-vs-last-iterations summary table and one rollout
-# of the next batch with and without speculation, side by side.
+# A short SmolLM2 GRPO job: speculative rollouts with the package's arithmetic head, which
+# keeps learning online; ends with a first-vs-last-iterations summary table and the next
+# batch rolled out as the tail shape with and without speculation, side by side.
 demo: setup
 	$(RUN) $(PY) -m grpo_specdec train --config configs/smollm2_arith.yaml \
 		iterations=4 checkpoint_every=4 out=runs/demo-$$(date +%Y%m%d-%H%M%S) \
-		model.draft=null compare_at_end=true
+		compare_at_end=true
 
 bench: setup
 	$(RUN) $(PY) benchmarks/rollout_throughput.py

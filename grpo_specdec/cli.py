@@ -126,7 +126,7 @@ def _profile(args) -> None:
 
 def _train(args) -> None:
     from grpo_specdec.config import load_yaml
-    from grpo_specdec.job.compare import comparison_table
+    from grpo_specdec.job.compare import comparison_table, what_is_compared
     from grpo_specdec.job.config import TrainConfig
     from grpo_specdec.job.metrics import summary_table
     from grpo_specdec.job.run import Job
@@ -144,7 +144,10 @@ def _train(args) -> None:
     print(summary_table(records))
     if comparison:
         r = cfg.rollout
-        print(comparison_table(comparison, r.prompts_per_iteration, r.group_size))
+        compared = what_is_compared(
+            cfg.compare, r.prompts_per_iteration, r.group_size, r.max_tokens
+        )
+        print(comparison_table(comparison, compared))
     print(job.vllm_log.summary())
     print(cfg.out)
 

@@ -173,7 +173,16 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
         out / "checkpoints" / killed_after / "policy_state.pt", weights_only=True
     )
 
-    resumed = run_cli(*args, "compare_at_end=true", "--resume", str(out), timeout=900)
+    resumed = run_cli(
+        *args,
+        "compare_at_end=true",
+        "compare.shape=tail",
+        "compare.cap=48",
+        "compare.fixed_k=[2]",
+        "--resume",
+        str(out),
+        timeout=900,
+    )
     records = job_records(out)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # none lost, none counted twice
     # Both engines drafted and had drafts accepted in every iteration, before and after
@@ -191,25 +200,34 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     assert step_at(final) == steps and step_at(final) >= step_at(opt_at_kill)
     state = json.loads((out / "checkpoints" / "iter_000004" / "state.json").read_text())
     assert state["iteration"] == 4 and state["cursor"] == 4 * 4
-    # compare_at_end: the next batch rolled out with and without speculation, side by side.
+    # compare_at_end on the tail shape: the next batch rolled out with and without
+    # speculation and at a fixed k, side by side.
+    assert "as the tail shape" in resumed.stdout and "cap 48" in resumed.stdout
     rows = {
         line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
         for line in resumed.stdout.splitlines()
-        if line.startswith("| no speculation") or line.startswith("| speculation:")
+        if line.startswith(("| no speculation", "| speculation:", "| fixed k"))
     }
-    assert set(rows) == {"no speculation", "speculation: concurrency_aware"}, resumed.stdout
-    plain, spec = rows["no speculation"], rows["speculation: concurrency_aware"]
-    for tokens, seconds, tokens_per_s, *_ in (plain, spec):
-        # tokens/s is the row's own tokens over its own measured time (printed to 0.1 s)
-        assert int(tokens) > 0 and float(tokens_per_s) > 0
+    assert set(rows) == {"no speculation", "speculation: concurrency_aware", "fixed k = 2"}
+    plain, spec, fixed = (
+        rows[n] for n in ("no speculation", "speculation: concurrency_aware", "fixed k = 2")
+    )
+    for tokens, seconds, tokens_per_s, _, tail_s, *_ in (plain, spec, fixed):
+        # tokens/s is the row's own tokens over its own measured time (printed to 0.1 s);
+        # 4 prompts x 4 samples, each within its 48-token cap
+        assert 0 < int(tokens) <= 16 * 48 and float(tokens_per_s) > 0
         assert abs(int(tokens) / float(tokens_per_s) - float(seconds)) <= 0.06, (plain, spec)
+        assert 0 <= float(tail_s) <= float(seconds) + 0.05
     # Each row measured its own engine: the plain one never drafted; the speculative one
-    # chose k > 0 on some steps and had drafts accepted.
-    assert plain[4:] == ["1.00", "-"], plain
-    assert float(spec[4]) > 1.0 and spec[5] != "-", spec
-    assert any(int(pair.split(":")[0]) > 0 for pair in spec[5].split(", ")), spec
-    # The speculative row's ratio is the two measured rates' quotient.
-    assert abs(float(spec[3].removesuffix("x")) - float(spec[2]) / float(plain[2])) <= 0.01
+    # chose k > 0 on some steps and had drafts accepted; the fixed one drafted 2 or nothing.
+    assert plain[5:] == ["1.00", "-"], plain
+    assert float(spec[5]) > 1.0 and spec[6] != "-", spec
+    assert any(int(pair.split(":")[0]) > 0 for pair in spec[6].split(", ")), spec
+    assert {pair.split(":")[0] for pair in fixed[6].split(", ")} <= {"0", "2"} and "2:" in fixed[6]
+    # A row's ratio is no speculation's measured time over its own.
+    for row in (spec, fixed):
+        ratio, p, s = float(row[3].removesuffix("x")), float(plain[1]), float(row[1])
+        assert (p - 0.05) / (s + 0.05) - 0.005 <= ratio <= (p + 0.05) / (s - 0.05) + 0.005, row
 
 
 def test_resumed_engine_reports_the_checkpoint_weight_versions(

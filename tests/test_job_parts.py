@@ -273,3 +273,56 @@ def test_an_engine_the_driver_starts_logs_to_the_file_too(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "probe warning" not in proc.stdout + proc.stderr
     assert "probe warning" in (tmp_path / "vllm.log").read_text()
+
+
+def test_the_tail_comparison_rolls_each_sample_out_alone_within_its_own_budget():
+    from grpo_specdec.job.compare import requests_of
+    from grpo_specdec.job.config import CompareSettings
+    from grpo_specdec.tasks.datasets import ArithmeticSource
+
+    rollout = RolloutSettings(prompts_per_iteration=3, group_size=4, max_tokens=200)
+    batch = batch_at(ArithmeticSource(0, [1, 2]), 6, rollout, job_seed=0)
+    same = requests_of(batch, CompareSettings(), 0)
+    assert same == (batch.prompts, batch.sampling, {"seeds": batch.seeds})
+
+    tail = CompareSettings(shape="tail", cap=120, budget_median=40)
+    prompts, sampling, per_request = requests_of(batch, tail, 0)
+    assert prompts == [q for q in batch.prompts for _ in range(4)]
+    assert sampling == {**batch.sampling, "n": 1, "max_tokens": 120}
+    budgets = per_request["max_tokens"]
+    assert len(budgets) == len(per_request["seeds"]) == 12 == len(set(per_request["seeds"]))
+    assert all(16 <= b <= 120 for b in budgets) and len(set(budgets)) > 6
+    assert requests_of(batch, tail, 0) == (prompts, sampling, per_request)  # seeded
+    assert requests_of(batch, tail, 1)[2] != per_request
+    # Without a cap of its own, the rollout's max_tokens caps it, the median a quarter of it.
+    _, sampling, per_request = requests_of(batch, CompareSettings(shape="tail"), 0)
+    assert sampling["max_tokens"] == 200 and max(per_request["max_tokens"]) <= 200
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (
+            {"compare": {"budget_median": 300}, "rollout": {"max_tokens": 200}},
+            "compare.budget_median",
+        ),
+        ({"compare": {"cap": 600}, "rollout": {"max_model_len": 512}}, "compare.cap"),
+        ({"compare": {"fixed_k": [5]}, "rollout": {"k": 4}}, "compare.fixed_k"),
+        ({"compare": {"fixed_k": [1]}, "rollout": {"speculation": "off"}}, "compare.fixed_k"),
+    ],
+)
+def test_a_comparison_the_job_cannot_run_is_refused_by_name(overrides, field):
+    from pydantic import ValidationError
+
+    from grpo_specdec.job.config import TrainConfig
+
+    with pytest.raises(ValidationError, match=field):
+        TrainConfig.model_validate({"model": {"policy": "tiny"}, **overrides})
+
+
+def test_the_job_profiles_batch_sizes_up_to_what_its_engine_holds():
+    from grpo_specdec.job.engine_setup import profiled_batch_sizes
+
+    assert profiled_batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert profiled_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert profiled_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 100]

@@ -1,6 +1,11 @@
 """The end-of-job comparison (`compare_at_end`): the next batch of prompts rolled out by
-the job's first engine (its speculation, the final weights) and by an engine without
-speculation serving the same weights, one after the other, side by side in a table.
+the job's first engine (its speculation, the final weights; and at each `compare.fixed_k`)
+and by an engine without speculation serving the same weights, one after the other, each
+from an empty prefix cache, side by side in a table.
+
+`compare.shape: tail` rolls the next batch's prompts out as the tail shape
+(`tasks/tail_shape.py`): each sample its own request with its own length budget, so that
+few requests are left in flight for much of the rollout, as in real GRPO rollouts.
 
 It lives in the job, not in benchmarks/, because `grpo-specdec train` (and `make demo`)
 prints it from an installed package; benchmarks can import it from here.
@@ -13,39 +18,66 @@ from pathlib import Path
 import ray
 
 from grpo_specdec.job.batches import Batch
+from grpo_specdec.job.config import CompareSettings
 from grpo_specdec.job.lifecycle import Roles
+from grpo_specdec.tasks.tail_shape import tail_phase_s, with_budgets
+
+NO_SPEC = "no speculation"
+
+
+def requests_of(batch: Batch, cfg: CompareSettings, seed: int) -> tuple[list[str], dict, dict]:
+    """(prompts, sampling, per-request settings) of the comparison's rollout."""
+    if cfg.shape == "batch":
+        return batch.prompts, batch.sampling, {"seeds": batch.seeds}
+    cap = cfg.cap or batch.sampling["max_tokens"]
+    group = batch.sampling["n"]
+    shape = with_budgets(
+        batch.prompts, group, cap, cfg.budget_median or cap // 4, cfg.budget_sigma, seed
+    )
+    sampling = {**batch.sampling, "n": 1, "max_tokens": cap}
+    return shape.prompts, sampling, {"seeds": shape.seeds, "max_tokens": shape.max_tokens}
 
 
 def compare_rollout(
-    roles: Roles, checkpoint: Path, batch: Batch, speculation: str
+    roles: Roles,
+    checkpoint: Path,
+    batch: Batch,
+    speculation: str,
+    cfg: CompareSettings,
+    seed: int = 0,
 ) -> dict[str, dict]:
-    """Each engine's rollout summary, by row name. `checkpoint`: of the final weights (its
+    """Each rollout's summary, by row name. `checkpoint`: of the final weights (its
     policy folder is what the engine without speculation serves)."""
+    prompts, sampling, per_request = requests_of(batch, cfg, seed)
     plain_cfg = {**roles.engine_cfg, "model": str(checkpoint / "policy"), "speculative": None}
     plain = roles.placement.actor("rollout", None).remote(plain_cfg, {})
     ray.get(plain.__ray_ready__.remote())  # start-up is not part of the comparison
+    job_engine = roles.rollouts[0]
+    rows = [(NO_SPEC, plain, None), (f"speculation: {speculation}", job_engine, None)]
+    rows += [(f"fixed k = {k}", job_engine, k) for k in cfg.fixed_k]
+    runs = {}
     try:
-        runs = {
-            "no speculation": ray.get(
-                plain.rollout.remote(batch.prompts, batch.sampling, batch.seeds)
-            ),
-            f"speculation: {speculation}": ray.get(
-                roles.rollouts[0].rollout.remote(batch.prompts, batch.sampling, batch.seeds)
-            ),
-        }
+        for name, engine, fixed_k in rows:
+            ray.get(engine.forget_caches.remote())
+            runs[name] = ray.get(
+                engine.rollout.remote(prompts, sampling, fixed_k=fixed_k, **per_request)
+            )
     finally:
         ray.get(plain.shutdown.remote())
         ray.kill(plain)
-    return {name: run.summary() for name, run in runs.items()}
+    return {
+        name: {**run.summary(), "tail_s": tail_phase_s(run.finished_s)}
+        for name, run in runs.items()
+    }
 
 
-def comparison_table(runs: dict[str, dict], prompts: int, group: int) -> str:
-    """`compare_rollout`'s result, side by side."""
-    base = runs["no speculation"]["tokens_per_s"]
+def comparison_table(runs: dict[str, dict], requests: str) -> str:
+    """`compare_rollout`'s result, side by side. `requests`: what was rolled out."""
+    base = runs[NO_SPEC]
     lines = [
-        f"| rollout of the next {prompts} prompts x {group} samples | tokens | seconds | "
-        "tokens/s | vs no speculation | mean acceptance length | steps per k |",
-        "|---|---|---|---|---|---|---|",
+        f"| rollout of {requests} | tokens | seconds | tokens/s | vs no speculation "
+        "| tail phase s | mean acceptance length | steps per k |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, v in runs.items():
         ks = ", ".join(
@@ -54,6 +86,17 @@ def comparison_table(runs: dict[str, dict], prompts: int, group: int) -> str:
         ks = ks or "-"
         lines.append(
             f"| {name} | {v['tokens']} | {v['wall_s']:.1f} | {v['tokens_per_s']:.1f} | "
-            f"{v['tokens_per_s'] / base:.2f}x | {v['mean_acceptance_length']:.2f} | {ks} |"
+            f"{base['wall_s'] / v['wall_s']:.2f}x | {v['tail_s']:.1f} | "
+            f"{v['mean_acceptance_length']:.2f} | {ks} |"
         )
     return "\n".join(lines)
+
+
+def what_is_compared(cfg: CompareSettings, prompts: int, group: int, max_tokens: int) -> str:
+    if cfg.shape == "batch":
+        return f"the next {prompts} prompts x {group} samples"
+    cap = cfg.cap or max_tokens
+    return (
+        f"the next {prompts} prompts x {group} samples as the tail shape (each its own request, "
+        f"budgets log-normal around {cfg.budget_median or cap // 4} tokens, cap {cap})"
+    )

@@ -120,6 +120,28 @@ class RaySettings(StrictModel):
     )
 
 
+class CompareSettings(StrictModel):
+    """The end-of-job comparison (`compare_at_end`): which rollout, and which rows."""
+
+    shape: Literal["batch", "tail"] = Field(
+        "batch",
+        description="batch: the next batch as an iteration rolls it out; tail: the next "
+        "batch's prompts x rollout.group_size samples, each its own request with its own "
+        "seeded log-normal length budget under `cap` (a stand-in for a policy that has learnt "
+        "to stop, so that few requests are left in flight for much of the rollout)",
+    )
+    cap: int | None = Field(
+        None, ge=16, description="tail: the global cap; default rollout.max_tokens"
+    )
+    budget_median: int | None = Field(
+        None, ge=16, description="tail: the budgets' median; default a quarter of the cap"
+    )
+    budget_sigma: float = Field(0.7, ge=0, description="tail: the budgets' log-normal spread")
+    fixed_k: list[int] = Field(
+        [], description="also roll it out with the job's engine at each of these fixed k"
+    )
+
+
 class TrainConfig(StrictModel):
     model: ModelSettings
     data: DataSettings = DataSettings()
@@ -134,8 +156,28 @@ class TrainConfig(StrictModel):
         description="after the last iteration, roll out the next batch with the job's engine "
         "and with one without speculation serving the same policy, and print both",
     )
+    compare: CompareSettings = CompareSettings()
     out: str = "runs/grpo"
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _comparable(self) -> TrainConfig:
+        c, r = self.compare, self.rollout
+        cap = c.cap or r.max_tokens
+        if c.budget_median is not None and c.budget_median > cap:
+            raise ValueError(f"compare.budget_median={c.budget_median} exceeds the cap {cap}")
+        if r.max_model_len is not None and cap >= r.max_model_len:
+            raise ValueError(
+                f"compare.cap={cap} leaves no room for a prompt within rollout.max_model_len="
+                f"{r.max_model_len}"
+            )
+        for k in c.fixed_k:
+            if not 1 <= k <= r.k or r.speculation == "off":
+                raise ValueError(
+                    f"compare.fixed_k: {k} is not a k the job's engine can draft (1..rollout.k="
+                    f"{r.k}, with rollout.speculation on)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _a_group_for_every_engine(self) -> TrainConfig:

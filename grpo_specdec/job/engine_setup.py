@@ -20,6 +20,19 @@ def check_context_length(cfg: TrainConfig, policy: str, draft: str | None) -> No
         raise ValueError(f"rollout.max_model_len: {err}") from None
 
 
+def max_num_seqs(cfg: TrainConfig) -> int:
+    """What each engine of the job holds at once: a whole iteration's samples."""
+    return max(cfg.rollout.prompts_per_iteration * cfg.rollout.group_size, 8)
+
+
+def profiled_batch_sizes(max_seqs: int) -> list[int]:
+    """The profile's batch sizes (powers of two) below `max_seqs`, and `max_seqs`."""
+    from grpo_specdec.profile import ProfileConfig
+
+    default = ProfileConfig.model_fields["batch_sizes"].default
+    return [b for b in default if b < max_seqs] + [max_seqs]
+
+
 def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> str | None:
     """The profile the controller reads: the configured one, or where a concurrency-aware
     rollout needs one, this model's on this hardware from the profile store, measured
@@ -42,6 +55,8 @@ def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> st
                 draft_sampling=r.draft_sampling,
                 dtype=cfg.model.engine_dtype,
                 k_max=r.k,
+                # B up to what the job's engine holds: a larger B is priced from the fit.
+                batch_sizes=profiled_batch_sizes(max_num_seqs(cfg)),
                 enforce_eager=r.enforce_eager,
             ),
             path,
@@ -68,7 +83,7 @@ def engine_config(
         "model": policy_dir,
         "dtype": cfg.model.engine_dtype,
         "max_model_len": r.max_model_len,
-        "max_num_seqs": max(r.prompts_per_iteration * r.group_size, 8),
+        "max_num_seqs": max_num_seqs(cfg),
         "kv_cache_gib": r.kv_cache_gib,
         "seed": cfg.seed,
         "enforce_eager": r.enforce_eager,

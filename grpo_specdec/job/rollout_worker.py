@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, SpecCounters
+from vllm_plugin.controller import FixedPolicy
 
 
 @dataclass
@@ -19,6 +20,7 @@ class Rollout:
     # With group drafts: draft and accepted tokens per source ("model", "group") in this
     # rollout, and the history the drafter holds after it.
     sources: dict | None = None
+    finished_s: list[float] | None = None  # per prompt, its last token's time into the rollout
 
     @staticmethod
     def gather(parts: list[Rollout]) -> Rollout:
@@ -39,6 +41,7 @@ class Rollout:
             max(p.wall_s for p in parts),
             k_steps,
             sources,
+            [x for p in parts for x in p.finished_s or ()],
         )
 
     def summary(self) -> dict:
@@ -62,12 +65,30 @@ class RolloutWorker:
         self.engine.declare_weight_versions(weight_versions)
 
     def rollout(
-        self, prompts: list[str], sampling: dict, seeds: list[int] | None = None
+        self,
+        prompts: list[str],
+        sampling: dict,
+        seeds: list[int] | None = None,
+        max_tokens: list[int] | None = None,
+        fixed_k: int | None = None,
     ) -> Rollout:
+        """`max_tokens`: one budget per prompt; `fixed_k`: draft exactly k tokens every step
+        of this rollout (the scheduler's policy and acceptance estimator are put back after)."""
         scheduler = self._aware_scheduler()
         mark = scheduler.steps_scheduled if scheduler is not None else 0
         before = self.engine.group_draft_stats() if self.engine.cfg.speculative else None
-        res = self.engine.generate(prompts, SamplingSettings.model_validate(sampling), seeds=seeds)
+        sampling = SamplingSettings.model_validate(sampling)
+        if fixed_k is None:
+            res = self.engine.generate(prompts, sampling, seeds=seeds, max_tokens=max_tokens)
+        else:
+            if scheduler is None:
+                raise ValueError("fixed_k needs a concurrency-aware engine in this process")
+            policy, acceptance = scheduler.policy, scheduler.acceptance
+            scheduler.set_policy(FixedPolicy(fixed_k), scheduler.new_acceptance())
+            try:
+                res = self.engine.generate(prompts, sampling, seeds=seeds, max_tokens=max_tokens)
+            finally:
+                scheduler.set_policy(policy, acceptance)
         k_steps: dict[int, int] = {}
         for _, _, k, _ in scheduler.steps_since(mark) if scheduler is not None else []:
             k_steps[k] = k_steps.get(k, 0) + 1
@@ -79,7 +100,15 @@ class RolloutWorker:
             res.wall_s,
             k_steps,
             before and _source_counts(before, self.engine.group_draft_stats()),
+            res.finished_s,
         )
+
+    def forget_caches(self) -> None:
+        """Empty the prefix cache and the group drafter's history, so that the next rollout
+        starts from nothing another made (the end-of-job comparison)."""
+        self.engine.llm.reset_prefix_cache()
+        if self.engine.group_draft_stats() is not None:
+            self.engine.group_draft_reset()
 
     def _aware_scheduler(self):
         spec = self.engine.cfg.speculative

@@ -165,7 +165,9 @@ class Job:
         if ckpt is None or read_state(ckpt)["iteration"] != self.iteration:
             ckpt = self.checkpoint()
         batch = batch_at(self.source, self.cursor, self.cfg.rollout, self.cfg.seed)
-        return compare_rollout(self.roles, ckpt, batch, self.cfg.rollout.speculation)
+        return compare_rollout(
+            self.roles, ckpt, batch, self.cfg.rollout.speculation, self.cfg.compare, self.cfg.seed
+        )
 
     def shutdown(self) -> None:
         self.roles.shutdown()
