@@ -120,6 +120,9 @@ def test_layouts_the_job_cannot_run_are_refused_by_name(tiny_target):
         "ray.rollout_workers=5": "ray.rollout_workers=5 exceeds rollout.prompts_per_iteration=4",
         "ray.placement=EVERYWHERE": "ray.placement: Input should be 'PACK'",
         "ray.policy_workers=0": "ray.policy_workers: Input should be greater than or equal to 1",
+        "policy.sharding=zero3": "policy.sharding: Input should be 'none' or 'fsdp'",
+        "policy.sharding=fsdp": "policy.sharding=fsdp shards over ray.policy_workers ranks, "
+        "and ray.policy_workers=1",
     }
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=message):

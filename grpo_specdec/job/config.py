@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from grpo_specdec.config import DraftSampling, StrictModel, with_off
 from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import Aggregation
+from grpo_specdec.job.sharding import Sharding
 from vllm_plugin.settings import ControllerSettings, refuse_sampled_drafts
 
 
@@ -86,6 +87,15 @@ class PolicySettings(StrictModel):
         description="run the learner's forward and backward under bfloat16 autocast (weights "
         "and optimiser stay in model.train_dtype); auto: on for CUDA and for CPUs with bfloat16 "
         "instructions (a SmolLM2 learner step measured 2.46x faster here), off otherwise",
+    )
+    sharding: Sharding = Field(
+        "none",
+        description="over ray.policy_workers ranks: fsdp shards the parameters, gradients "
+        "and AdamW state (torch FSDP2; 2 ranks hold 0.5x of one rank's); none keeps them "
+        "whole on every rank. Default: fsdp with several ranks, none with one",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in the backward pass"
     )
 
 
@@ -186,6 +196,18 @@ class TrainConfig(StrictModel):
                 f"ray.rollout_workers={self.ray.rollout_workers} exceeds "
                 f"rollout.prompts_per_iteration={self.rollout.prompts_per_iteration}: "
                 "a prompt's group is never split, so some engines would have nothing to do"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_needs_ranks(self) -> TrainConfig:
+        workers = self.ray.policy_workers
+        if "sharding" not in self.policy.model_fields_set:
+            self.policy.sharding = "fsdp" if workers > 1 else "none"
+        elif self.policy.sharding == "fsdp" and workers == 1:
+            raise ValueError(
+                "policy.sharding=fsdp shards over ray.policy_workers ranks, and "
+                "ray.policy_workers=1: set ray.policy_workers to 2 or more, or policy.sharding=none"
             )
         return self
 

@@ -16,10 +16,10 @@ from grpo_specdec.job.actors import Placement
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.checkpoints import replace_dir
 from grpo_specdec.job.config import TrainConfig
-from grpo_specdec.job.data_parallel import shard
 from grpo_specdec.job.engine_setup import engine_config, latency_profile
 from grpo_specdec.job.roles import PolicyBatch
 from grpo_specdec.job.rollout_worker import Rollout
+from grpo_specdec.job.sharding import shard
 from grpo_specdec.job.weight_sync import WeightSync
 
 
@@ -110,17 +110,18 @@ class Roles:
         for a failed swap to put back; with one engine there is nothing to put back."""
         if len(self.rollouts) == 1:
             return {}
-        served = {
-            "policy": (
-                self.policies[0].export_weights.remote(self.weight_dtype),
-                versions["policy"],
-                None,
-            )
-        }
+        served = {"policy": (self.policy_weights(), versions["policy"], None)}
         if self.draft is not None and self.cfg.draft.online:
             weights, meta, _, _ = self.draft.export.options(num_returns=4).remote()
             served["draft"] = (weights, versions["draft"], ray.get(meta))
         return served
+
+    def policy_weights(self):
+        """The whole policy, as rank 0 exports it into the object store: every rank takes
+        part in gathering it, and one that dies meanwhile fails the export at once."""
+        refs = [rank.export_weights.remote(self.weight_dtype) for rank in self.policies]
+        get_failing_fast(refs[1:])  # the other ranks return None
+        return refs[0]
 
     def actors(self) -> list:
         return [*self.rollouts, *self.policies, *([self.draft] if self.draft else [])]
@@ -161,7 +162,7 @@ class Roles:
         to the draft's statistics)."""
         sync, draft_facts = {}, {}
         if policy_stats.get("policy_steps"):
-            weights = self.policies[0].export_weights.remote(self.weight_dtype)
+            weights = self.policy_weights()
             version = policy_stats["policy_version"]
             sync["policy"] = self.weights.policy(weights, version, iteration, self.checkpoints)
         if draft_stats.get("draft_steps"):
@@ -175,9 +176,10 @@ class Roles:
         return sync, draft_facts
 
     def save(self, folder: Path) -> None:
-        """The roles' part of a checkpoint: the policy (every rank holds the same), the
-        draft learner's head and state, or the frozen head the engines serve."""
-        jobs = [self.policies[0].save.remote(folder)]
+        """The roles' part of a checkpoint: the policy (rank 0 writes it whole, gathered
+        from every rank), the draft learner's head and state, or the frozen head the
+        engines serve."""
+        jobs = [rank.save.remote(folder) for rank in self.policies]
         if self.draft is not None:
             jobs.append(self.draft.save.remote(folder))
         ray.get(jobs)

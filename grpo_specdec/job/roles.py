@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import random
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
+from grpo_specdec.draft.capture import Sequence, pad_batch
 from grpo_specdec.draft.head import DraftHead, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.grpo.core import grpo_loss, loss_stat_names
-from grpo_specdec.job import data_parallel
+from grpo_specdec.job import sharding
 from grpo_specdec.job.checkpoints import latest_checkpoint, load_learner_state
 from grpo_specdec.job.config import PolicySettings
 from grpo_specdec.job.precision import autocast_dtype
@@ -87,10 +88,18 @@ def _response_mask(ids_mask: torch.Tensor, prompt_lens: list[int]) -> torch.Tens
     return mask
 
 
+def _forward_with_hidden(model, ids: torch.Tensor, mask: torch.Tensor):
+    """(last-layer post-norm hidden states, logits), through the model's own forward: the
+    one FSDP gathers the embedding, final norm and lm_head for."""
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    return out.hidden_states[-1], out.logits
+
+
 class PolicyLearner:
     """The policy and its optimiser. As rank `rank` of `world` (after `join`), it handles a
-    contiguous shard of each batch and sums gradients with the other ranks; rank 0's
-    weights are the ones published and checkpointed (every rank holds the same)."""
+    contiguous shard of each batch; the ranks' gradients are summed, and the parameters,
+    gradients and optimiser state are sharded over them with `policy.sharding: fsdp`
+    (see sharding.py). Publishing and checkpoints gather the whole model to rank 0."""
 
     def __init__(
         self,
@@ -107,9 +116,9 @@ class PolicyLearner:
             model_dir, dtype=getattr(torch, dtype)
         ).to(self.device)
         self.model.config.use_cache = False
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
-        )
+        if cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+        self.opt = self._optimizer()
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = (
@@ -128,22 +137,43 @@ class PolicyLearner:
         """Rank 0: an address on this node for the ranks to meet at."""
         import ray
 
-        return data_parallel.rendezvous_address(ray.util.get_node_ip_address())
+        return sharding.rendezvous_address(ray.util.get_node_ip_address())
 
     def join(self, address: str, rank: int, world: int, timeout_s: float = 1800.0) -> None:
-        data_parallel.join(address, rank, world, self.device, timeout_s)
+        """Join the other ranks, and put the models on FSDP2 over them (before any step:
+        the optimiser is made anew, for the sharded parameters)."""
+        sharding.join(address, rank, world, self.device, timeout_s)
         self.rank, self.world = rank, world
+        sharding.distribute(self.model, self.cfg.sharding, self.device)
+        if self.ref is not None:
+            sharding.distribute(self.ref, self.cfg.sharding, self.device)
+        self.opt = self._optimizer()
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+        )
 
     def _forward(self, model, ids: torch.Tensor, mask: torch.Tensor):
         if self.autocast is None:
-            return forward_with_hidden(model, ids, mask)
+            return _forward_with_hidden(model, ids, mask)
         with torch.autocast(self.device.type, dtype=self.autocast):
-            return forward_with_hidden(model, ids, mask)
+            return _forward_with_hidden(model, ids, mask)
 
     def _micro_batches(self, indices: list[int]):
-        for start in range(0, len(indices), self.cfg.micro_batch):
-            idx = indices[start : start + self.cfg.micro_batch]
-            ids, mask = pad_batch([self._batch.token_ids[i] for i in idx])
+        """(batch indices, ids, mask) of this rank's micro-batches. Under several ranks,
+        as many as the rank with the most has: FSDP's collectives run inside every forward
+        and backward, so a rank that has run out takes one-token passes (no indices)."""
+        size = self.cfg.micro_batch
+        count = -(-len(indices) // size)
+        if self.world > 1:
+            count = sharding.max_over_ranks(count, self.device)
+        for start in range(0, count * size, size):
+            idx = indices[start : start + size]
+            if idx:
+                ids, mask = pad_batch([self._batch.token_ids[i] for i in idx])
+            else:
+                ids = mask = torch.ones(1, 1, dtype=torch.long)
             yield idx, ids.to(self.device), mask.to(self.device)
 
     @torch.no_grad()
@@ -152,13 +182,15 @@ class PolicyLearner:
         the surrogate, and the last-layer hidden states of the same pass for the draft."""
         self.model.eval()
         self._batch = batch
-        self._shard = data_parallel.shard(len(batch.token_ids), self.rank, self.world)
+        self._shard = sharding.shard(len(batch.token_ids), self.rank, self.world)
         self._old_logp, self._ref_logp, seqs = {}, {}, []
         for idx, ids, mask in self._micro_batches(list(self._shard)):
             hidden, logits = self._forward(self.model, ids, mask)
+            ref_logits = self._forward(self.ref, ids, mask)[1] if self.ref is not None else None
+            if not idx:
+                continue
             self._old_logp |= dict(zip(idx, response_logprobs(logits, ids).cpu(), strict=True))
             if self.ref is not None:
-                ref_logits = self._forward(self.ref, ids, mask)[1]
                 self._ref_logp |= dict(
                     zip(idx, response_logprobs(ref_logits, ids).cpu(), strict=True)
                 )
@@ -169,11 +201,14 @@ class PolicyLearner:
                         batch.token_ids[i], batch.prompt_lens[i], hidden[row, :n].float().cpu()
                     )
                 )
-        if self.rank != 0:  # the draft needs the policy's embedding and lm_head once
+        # The draft needs the policy's embedding and lm_head once: rank 0 sends them.
+        embed, lm_head = (
+            sharding.full_tensor(module.weight.detach())
+            for module in (self.model.get_input_embeddings(), self.model.get_output_embeddings())
+        )
+        if self.rank != 0:
             return DraftData(seqs, None, None, self.version)
-        embed = self.model.get_input_embeddings().weight.detach().float().cpu()
-        lm_head = self.model.get_output_embeddings().weight.detach().float().cpu()
-        return DraftData(seqs, embed, lm_head, self.version)
+        return DraftData(seqs, embed.float().cpu(), lm_head.float().cpu(), self.version)
 
     def update(self) -> dict:
         """One GRPO step (per epoch) on the prepared rollout; groups without reward variance
@@ -186,11 +221,20 @@ class PolicyLearner:
         mine = [i for i in chosen if i in self._shard]
         self.model.train()
         total_tokens = sum(len(batch.token_ids[i]) - batch.prompt_lens[i] for i in chosen)
+        # Replicas all-reduce their gradients once a step; shards reduce-scatter each
+        # micro-batch's, so that no rank ever holds a whole gradient.
+        sync_each = self.cfg.sharding == "fsdp"
         for _ in range(self.cfg.epochs):
             self.opt.zero_grad(set_to_none=True)
             sums: dict[str, float] = {}
-            for idx, ids, mask in self._micro_batches(mine):
+            micro_batches = list(self._micro_batches(mine))
+            for n, (idx, ids, mask) in enumerate(micro_batches):
+                if sharding.is_distributed(self.model):
+                    self.model.set_requires_gradient_sync(sync_each or n == len(micro_batches) - 1)
                 _, logits = self._forward(self.model, ids, mask)
+                if not idx:
+                    (logits.sum() * 0).backward()
+                    continue
                 logp = response_logprobs(logits, ids)
                 old = _stack_padded([self._old_logp[i] for i in idx], logp.shape[1]).to(self.device)
                 ref = (
@@ -220,10 +264,11 @@ class PolicyLearner:
                 for k, v in mb.items():
                     sums[k] = sums.get(k, 0.0) + v * share
             if self.world > 1:
-                data_parallel.all_reduce_grads(list(self.model.parameters()))
                 names = loss_stat_names(kl=self.ref is not None)
-                sums = data_parallel.all_reduce_sums(sums, names, self.device)
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                sums = sharding.all_reduce_sums(sums, names, self.device)
+            norm = sharding.full_tensor(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            )
             if not torch.isfinite(norm):
                 raise FloatingPointError(
                     f"policy gradient norm is {float(norm)}; stopping before the weights change"
@@ -235,39 +280,71 @@ class PolicyLearner:
         stats["policy_version"] = self.version
         return stats
 
-    def export_weights(self, dtype: str) -> dict[str, torch.Tensor]:
-        """Weights under the checkpoint's names and dtype, as the engine's manifest expects."""
-        sd = self.model.state_dict()
-        if self.model.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        return {k: v.detach().to(getattr(torch, dtype)).cpu().contiguous() for k, v in sd.items()}
+    def export_weights(self, dtype: str) -> dict[str, torch.Tensor] | None:
+        """Weights under the checkpoint's names and dtype, as the engine's manifest expects,
+        on rank 0 (None on the others, which must all be asked too: under FSDP each
+        parameter is gathered from every rank, one at a time, so rank 0 never holds the
+        whole model twice)."""
+        weights = {}
+        for name, value in self._untied(self.model.state_dict()).items():
+            whole = sharding.full_tensor(value.detach())
+            if self.rank == 0:
+                weights[name] = whole.to(getattr(torch, dtype)).cpu().contiguous()
+        return weights if self.rank == 0 else None
 
     def save(self, path: Path) -> None:
-        self.model.save_pretrained(path / "policy")
+        """Rank 0 writes the whole model and optimiser state (every rank must be asked)."""
+        weights, opt_state = sharding.full_state(self.model, self.opt)
+        if self.rank != 0:
+            return
+        self.model.save_pretrained(path / "policy", state_dict=self._untied(weights))
         # a checkpoint's policy folder is a complete model: the engine restarts from it
         AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(path / "policy")
         torch.save(
-            {"opt": self.opt.state_dict(), "version": self.version, "rng": torch.get_rng_state()},
+            {"opt": opt_state, "version": self.version, "rng": torch.get_rng_state()},
             path / "policy_state.pt",
         )
 
     def load(self, path: Path) -> None:
-        """Continue from a checkpoint folder written by `save`."""
-        self.model.load_state_dict(
+        """Continue from a checkpoint folder written by `save`, by any number of ranks."""
+        reads = self.rank == 0  # under ranks, rank 0 reads the files and scatters them
+        state = load_learner_state(path / "policy_state.pt", mmap=not reads)
+        weights = (
             AutoModelForCausalLM.from_pretrained(
                 path / "policy", dtype=self.model.dtype
             ).state_dict()
+            if reads
+            else {}
         )
-        state = load_learner_state(path / "policy_state.pt")
-        self.opt.load_state_dict(state["opt"])
+        sharding.load_full_state(self.model, self.opt, weights, state["opt"] if reads else {})
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
+
+    def _untied(self, sd: dict) -> dict:
+        """`sd` without the lm_head a tied model shares with its embedding (a gathered
+        state dict holds it as a tensor of its own, which HF would then write)."""
+        if self.model.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds of the policy's parameters, gradients and optimiser
+        state, and the process's peak resident set."""
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        opt = [t for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {
+            "params": sharding.local_bytes(params),
+            "grads": sharding.local_bytes(grads),
+            "optimizer": sharding.local_bytes(opt),
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
 
     def status(self) -> dict:
         return {"version": self.version, "rank": self.rank, "world": self.world}
 
     def shutdown(self) -> None:
-        data_parallel.leave()
+        sharding.leave()
 
 
 def _stack_padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
