@@ -103,11 +103,12 @@ def smollm2_profile(target: str, draft: str, k_max: int, draft_sampling: str = "
     serves too: the fitted model does not depend on it."""
     sampled = "" if draft_sampling == "greedy" else f"-{draft_sampling}"
     name = f"{Path(draft).name}{sampled}-f{PROFILE_FORMAT}"
-    measured = sorted(Path(draft).parent.glob(f"profile-{name}-k*.json"))
+    profiles = default_dir().parent / "heads"  # hardware-specific: never in the package
+    measured = sorted(profiles.glob(f"profile-{name}-k*.json"))
     covering = [p for p in measured if int(p.stem.rsplit("-k", 1)[1]) >= k_max]
     if covering:
         return covering[0]
-    out = Path(draft).parent / f"profile-{name}-k{k_max}.json"
+    out = profiles / f"profile-{name}-k{k_max}.json"
     ASSETS.mkdir(parents=True, exist_ok=True)
     cli(
         "profile",
