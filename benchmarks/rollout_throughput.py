@@ -106,6 +106,7 @@ def run(engine: Engine, prompts: list[str], sampling: SamplingSettings, per_requ
         "mean_acceptance_length": res.spec["mean_acceptance_length"],
         "scheduled_s": res.scheduled_s,
         "finished_s": res.finished_s,
+        "lengths": [[len(s.token_ids) for s in group] for group in res.outputs],
     }
 
 
@@ -445,6 +446,10 @@ def main() -> None:
             n: list(zip(r[-1]["scheduled_s"], r[-1]["finished_s"], strict=True))
             for n, r in results.get("tail", {}).get("tail", {}).items()
         },
+        "tail_lengths": {
+            n: [group[0] for group in r[-1]["lengths"]]
+            for n, r in results.get("tail", {}).get("tail", {}).items()
+        },
         "args": vars(args),
         "command": shlex.join(["python", "benchmarks/rollout_throughput.py", *sys.argv[1:]]),
     }
@@ -559,15 +564,9 @@ def report(r: dict) -> str:
         ]
         base = per["no spec"]["tokens_per_s"]
         for n, v in per.items():
-            by_source = [
-                f"{v[f'{s}_draft_tokens']:.0f} / {v[f'{s}_accepted_tokens']:.0f}"
-                if f"{s}_draft_tokens" in v
-                else ""
-                for s in ("group", "model")
-            ]
             lines.append(
                 f"| {n} | {v['tokens_per_s']:.0f} | {v['tokens_per_s'] / base:.2f}x | "
-                f"{v['wall_s']:.1f} | {v['mal']:.2f} | " + " | ".join(by_source) + " |"
+                f"{v['wall_s']:.1f} | {v['mal']:.2f} | {_by_source(v)} |"
             )
     tail = res.get("tail", {}).get("tail")
     if tail:
@@ -589,6 +588,16 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _by_source(v: dict) -> str:
+    """The 'group / model tokens drafted / accepted' cells of a row (empty without them)."""
+    return " | ".join(
+        f"{v[f'{s}_draft_tokens']:.0f} / {v[f'{s}_accepted_tokens']:.0f}"
+        if f"{s}_draft_tokens" in v
+        else ""
+        for s in ("group", "model")
+    )
+
+
 def _tail_report(per: dict, a: dict) -> list[str]:
     base = per["no spec"]
     fixed = [n for n in per if n.startswith(("k=", "sampled k=")) and not n.startswith("k=0")]
@@ -606,16 +615,10 @@ def _tail_report(per: dict, a: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for n, v in per.items():
-        by_source = [
-            f"{v[f'{s}_draft_tokens']:.0f} / {v[f'{s}_accepted_tokens']:.0f}"
-            if f"{s}_draft_tokens" in v
-            else ""
-            for s in ("group", "model")
-        ]
         lines.append(
             f"| {n} | {v['makespan_s']:.1f} | {base['makespan_s'] / v['makespan_s']:.2f}x | "
             f"{v['tail_s']:.1f} | {base['tail_s'] / v['tail_s']:.2f}x | {v['tokens_per_s']:.0f} | "
-            f"{v['mal']:.2f} | " + " | ".join(by_source) + " |"
+            f"{v['mal']:.2f} | {_by_source(v)} |"
         )
     rivals = [best_fixed, "static table", "paper rule", *VLLM_EXAMPLE_TABLES_NAMES]
     for ours in ("ours", "sampled ours", "ours + group"):
