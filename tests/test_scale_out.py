@@ -135,6 +135,16 @@ def test_layouts_the_job_cannot_run_are_refused_by_name(tiny_target):
         )
 
 
+def test_several_policy_ranks_shard_by_default(tiny_target):
+    def sharding(*overrides):
+        cfg = load_yaml(TrainConfig, CONFIG, [f"model.policy={tiny_target}", *overrides])
+        return cfg.policy.sharding
+
+    assert sharding() == "none"
+    assert sharding("ray.policy_workers=2") == "fsdp"
+    assert sharding("ray.policy_workers=2", "policy.sharding=none") == "none"
+
+
 def test_a_cluster_without_room_for_a_role_is_reported_by_name():
     from ray.util import placement_group_table
 
