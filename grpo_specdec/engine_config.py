@@ -14,7 +14,7 @@ from grpo_specdec.modelcheck import (
     check_model_dir,
     resolve_max_model_len,
 )
-from vllm_plugin.settings import ControllerSettings, refuse_sampled_drafts
+from vllm_plugin.settings import ControllerSettings
 
 
 class SpeculativeSettings(StrictModel):
@@ -44,10 +44,6 @@ class SpeculativeSettings(StrictModel):
             raise ValueError(
                 "speculative.draft is null, so drafts can only come from the group's text: "
                 "set speculative.controller.group.enabled=true (or name a draft)"
-            )
-        if self.controller.group.enabled:
-            refuse_sampled_drafts(
-                self.draft_sampling, "speculative.draft_sampling", "controller.group.enabled"
             )
         if self.draft is None and self.draft_sampling != "greedy":
             raise ValueError("speculative.draft_sampling=probabilistic needs a draft model")

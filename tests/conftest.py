@@ -73,6 +73,20 @@ def tiny_draft(tiny_models) -> str:
     return str(tiny_models / "draft")
 
 
+def flattened_head(head: str, out, scale: float) -> str:
+    """A copy of draft head `head` in folder `out` with its logits scaled by `scale`: a q
+    flatter than the target's p (but overlapping it), accepted less."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copy(f"{head}/config.json", out)
+    weights = load_file(f"{head}/model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * scale
+    save_file(weights, str(Path(out) / "model.safetensors"))
+    return str(out)
+
+
 def tiny_engine_config(target: str, draft: str | None = None, **overrides):
     from grpo_specdec.engine import EngineConfig
 

@@ -10,9 +10,10 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from grpo_specdec.engine import Engine, SamplingSettings
-from tests.conftest import assert_same_distribution, tiny_engine_config
+from tests.conftest import assert_same_distribution, flattened_head, tiny_engine_config
 from vllm_plugin.controller import FrozenAcceptance, HingeLatency, LatencyModel, LinearCost
 from vllm_plugin.group_drafter import GROUP, MODEL, GroupDrafter
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
@@ -268,6 +269,64 @@ def test_group_drafts_keep_the_target_s_distribution_at_temperature_one(
         assert_same_distribution(sampled, plain_engine, range(1, 6))
 
 
+@pytest.fixture(scope="module")
+def sampled_hybrid_engine(tiny_target, tiny_reduced_draft, profile, tmp_path_factory):
+    """Group drafts next to sampled model drafts of a head over a reduced vocabulary (the
+    group's rows flagged one-hot to the rejection sampler), flattened so that the group's
+    drafts win some requests."""
+    speculative = {
+        "draft": flattened_head(tiny_reduced_draft, tmp_path_factory.mktemp("flat"), 0.3),
+        "k": 4,
+        "draft_sampling": "probabilistic",
+        "concurrency_aware": True,
+        "controller": _group(profile),
+    }
+    engine = Engine(tiny_engine_config(tiny_target, speculative=speculative))
+    yield engine
+    engine.shutdown()
+
+
+def test_group_drafts_beside_sampled_drafts_keep_the_target_s_distribution(
+    sampled_hybrid_engine, plain_engine, questions
+):
+    sampling = SamplingSettings(n=200, temperature=1.0, max_tokens=6, ignore_eos=True)
+    sampled_hybrid_engine.generate(questions[:3], sampling)  # the group's history
+    sampled, used = _delta(sampled_hybrid_engine, questions[:3], sampling)
+    # Both sources verified in one run, and the group's one-hot drafts accepted.
+    assert used[GROUP]["accepted_tokens"] > 0 and used[MODEL]["accepted_tokens"] > 0, used
+    assert_same_distribution(sampled, plain_engine, range(1, 6))
+
+
+@pytest.mark.parametrize("vocab", [16, 6])
+def test_the_cached_q_keeps_the_model_s_rows_and_makes_the_group_s_one_hot(vocab):
+    """A full-vocabulary q (16 = the target's) holds each group draft one-hot; a reduced
+    one (6) cannot, so those rows are zero and their requests named for the sampler."""
+    from vllm_plugin.group_drafter import Proposal
+    from vllm_plugin.patches.group_drafts_v0_32 import ONE_HOT_REQS_ATTR, _one_hot_group_rows
+
+    q = torch.rand(3, 2, vocab)  # cached for requests a, b, c in that order, k = 2
+    runner = SimpleNamespace(
+        _draft_probs=q,
+        _draft_prob_req_ids=["a", "b", "c"],
+        model_config=SimpleNamespace(get_vocab_size=lambda: 16),
+    )
+    # This step's batch order differs; b's model draft is replaced by a longer group draft.
+    proposal = Proposal([[1, 2], [4, 5, 3], []], [MODEL, GROUP, MODEL], [0, 2, 0])
+    _one_hot_group_rows(runner, ["c", "b", "a"], proposal)
+    rebuilt = runner._draft_probs
+    assert runner._draft_prob_req_ids == ["c", "b", "a"] and rebuilt.shape == (3, 3, vocab)
+    assert torch.equal(rebuilt[0, :2], q[2]) and torch.equal(rebuilt[2, :2], q[0])
+    if vocab == 16:
+        assert rebuilt[1].argmax(-1).tolist() == [4, 5, 3] and rebuilt[1].sum().item() == 3
+        assert getattr(runner, ONE_HOT_REQS_ATTR) == frozenset()
+    else:
+        assert not rebuilt[1].any() and getattr(runner, ONE_HOT_REQS_ATTR) == {"b"}
+    # A step without group drafts leaves q as the model made it and names no request.
+    runner._draft_probs = q
+    _one_hot_group_rows(runner, ["a", "b", "c"], Proposal([[1], [2], [3]], [MODEL] * 3, [0] * 3))
+    assert runner._draft_probs is q and getattr(runner, ONE_HOT_REQS_ATTR) == frozenset()
+
+
 def test_the_scheduler_prices_k_on_the_model_drafts_as_used():
     """Model drafts a group draft replaced count as made and not accepted; group drafts'
     own outcomes never reach the model's estimate."""
@@ -308,9 +367,6 @@ def test_group_drafts_refuse_engines_they_cannot_serve(monkeypatch, profile):
     spec = SimpleNamespace(draft_sample_method="greedy")
     runner = SimpleNamespace(speculative_config=spec, use_async_scheduling=True)
     with pytest.raises(ValueError, match="async_scheduling=False"):
-        _build(runner)
-    runner.use_async_scheduling, spec.draft_sample_method = False, "probabilistic"
-    with pytest.raises(ValueError, match="draft_sample_method must be 'greedy'"):
         _build(runner)
 
 

@@ -114,6 +114,44 @@ def test_draft_probabilities_in_a_reduced_vocabulary_read_as_dense_ones():
     assert len({tuple(r) for r in outs[0].tolist()}) > 20  # rejections and recoveries happen
 
 
+def test_rows_flagged_one_hot_verify_their_draft_as_chosen_outright():
+    """Group drafts among sampled ones: rows flagged one-hot (zero in a reduced q, their
+    token possibly outside its vocabulary) give, draw for draw, what dense q one-hot at
+    the draft token gives, in our sampler and through vLLM's (mixed batches)."""
+    torch.manual_seed(0)
+    vocab, vocab_ids = 40, torch.tensor([0, 3, 4, 9, 17, 22, 31, 39])
+    drafts = [[3, 9, 22], [], [17], [-1], [39, 5]]
+    flagged = torch.tensor([True, True, True, False, False, True, True])  # requests 0 and 4
+    rows = sum(len(d) for d in drafts)
+    logits = torch.randn(rows, vocab) * 2
+    reduced = torch.randn(rows, len(vocab_ids)).softmax(-1)
+    reduced[flagged] = 0.0
+    dense = fast.to_target_vocab(reduced, vocab_ids, vocab)
+    tokens = torch.tensor([t for d in drafts for t in d])
+    dense[flagged.nonzero().squeeze(1), tokens[flagged]] = 1.0
+    assert torch.equal(
+        fast.with_one_hot_rows(fast.to_target_vocab(reduced, vocab_ids, vocab), flagged, tokens),
+        dense,
+    )
+    setattr(reduced, fast.VOCAB_IDS_ATTR, vocab_ids)
+    setattr(reduced, fast.ONE_HOT_ATTR, flagged)
+    outs = []
+    for q in (dense, reduced):
+        torch.manual_seed(1)
+        outs.append(
+            torch.cat([_sample(fast.rejection_sample, drafts, logits, q) for _ in range(300)])
+        )
+    assert torch.equal(outs[0], outs[1])
+    # Request 4's draft [39, 5], token 5 outside the head's vocabulary: both kept exactly
+    # when both are accepted (a rejected one is never re-drawn), p(39) p(5) of the time.
+    both = ((outs[1][4::5, 0] == 39) & (outs[1][4::5, 1] == 5)).double().mean()
+    expected = logits[5].softmax(-1)[39] * logits[6].softmax(-1)[5]
+    assert abs(both - expected) < 4 * (expected * (1 - expected) / 300) ** 0.5 + 1e-3, (
+        both,
+        expected,
+    )
+
+
 def test_inverse_cdf_keeps_light_tokens_of_a_large_vocabulary():
     """Tokens of weight 2.9e-8 after a mass of 0.5 are finer than a float32 running sum
     resolves there (steps of 6e-8); each must still own its slice of [0, total)."""

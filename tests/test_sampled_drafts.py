@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from grpo_specdec.engine import Engine, SamplingSettings
-from tests.conftest import LOSSLESS_ALPHA, assert_same_distribution, target_fit, tiny_engine_config
+from tests.conftest import (
+    LOSSLESS_ALPHA,
+    assert_same_distribution,
+    flattened_head,
+    target_fit,
+    tiny_engine_config,
+)
 from tests.test_lossless_power import T1, assert_rejects_only_the_bias
 from vllm_plugin.patches import cpu_rejection_sample_v0_32 as rejection
 from vllm_plugin.patches.cpu_sampled_drafts_v0_32 import sample_draft
@@ -20,15 +26,7 @@ def sampled_engine(tiny_target, tiny_reduced_draft, tmp_path_factory):
     """The reduced-vocabulary head with its logits scaled by 0.3: q flatter than p (but
     overlapping it), so verification that misread q would bend the output more than
     with q close to p."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    flat = tmp_path_factory.mktemp("flat-head")
-    shutil.copy(f"{tiny_reduced_draft}/config.json", flat)
-    weights = load_file(f"{tiny_reduced_draft}/model.safetensors")
-    weights["lm_head.weight"] = weights["lm_head.weight"] * 0.3
-    save_file(weights, str(flat / "model.safetensors"))
+    flat = flattened_head(tiny_reduced_draft, tmp_path_factory.mktemp("flat-head"), 0.3)
     engine = Engine(
         tiny_engine_config(
             tiny_target,
@@ -169,18 +167,6 @@ def test_sampled_drafting_beats_greedy_drafts(sampled_full_vocab_engine, eagle_e
     )
 
 
-def test_group_drafts_refuse_sampled_drafting(tiny_target, tiny_draft):
-    with pytest.raises(ValueError, match="group drafts are one-hot"):
-        tiny_engine_config(
-            tiny_target,
-            speculative={
-                "draft": tiny_draft,
-                "draft_sampling": "probabilistic",
-                "controller": {"group": {"enabled": True}},
-            },
-        )
-
-
 def test_job_config_trains_the_draft_for_the_rollout_temperature():
     from grpo_specdec.job.config import TrainConfig
 
@@ -192,8 +178,3 @@ def test_job_config_trains_the_draft_for_the_rollout_temperature():
         draft={"train": {"temperature": 1.3}},
     )
     assert cfg.draft.train.temperature == 1.3
-    with pytest.raises(ValueError, match="rollout.draft_sampling=probabilistic and rollout"):
-        TrainConfig(
-            model={"policy": "tiny"},
-            rollout={"draft_sampling": "probabilistic", "controller": {"group": {"enabled": True}}},
-        )

@@ -41,16 +41,6 @@ class GroupDraftSettings(BaseModel):
     min_confidence: float = Field(0.05, ge=0, le=1, description="no group token below this")
 
 
-def refuse_sampled_drafts(draft_sampling: str, sampling_field: str, group_field: str) -> None:
-    """The one refusal of sampled drafting beside group drafts, for each place that can ask
-    for both; `sampling_field` and `group_field` name that place's own settings."""
-    if draft_sampling != "greedy":
-        raise ValueError(
-            f"{sampling_field}={draft_sampling} and {group_field}: group drafts are one-hot; "
-            f"{sampling_field} must be 'greedy' with group drafts"
-        )
-
-
 class ControllerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

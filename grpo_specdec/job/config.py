@@ -10,7 +10,7 @@ from grpo_specdec.config import DraftSampling, StrictModel, with_off
 from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import Aggregation
 from grpo_specdec.job.sharding import Sharding
-from vllm_plugin.settings import ControllerSettings, refuse_sampled_drafts
+from vllm_plugin.settings import ControllerSettings
 
 
 class ModelSettings(StrictModel):
@@ -63,14 +63,6 @@ class RolloutSettings(StrictModel):
         "then do not depend on which engine serves it, or beside what (vLLM 0.32 on CPU "
         "ignores request seeds while speculating)",
     )
-
-    @model_validator(mode="after")
-    def _one_hot_group_drafts(self) -> RolloutSettings:
-        if self.controller.group.enabled:
-            refuse_sampled_drafts(
-                self.draft_sampling, "rollout.draft_sampling", "rollout.controller.group.enabled"
-            )
-        return self
 
 
 class PolicySettings(StrictModel):

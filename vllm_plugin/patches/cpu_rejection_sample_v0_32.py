@@ -17,7 +17,9 @@ requests, and synthetic acceptance, go to vLLM's own implementation.
 Draft probabilities may come in a reduced draft vocabulary (`cpu_sampled_drafts_v0_32`):
 then the tensor carries the target ids of its columns (`VOCAB_IDS_ATTR`) and q is read
 through them, zero elsewhere. A padded draft has no q behind it: its recovered token
-comes from p whatever its q row holds.
+comes from p whatever its q row holds. Rows the tensor flags one-hot (`ONE_HOT_ATTR`: the
+group's drafts in a batch of sampled ones, `group_drafts_v0_32`) are a deterministic
+draft: accepted with probability p(x), else a token from p without x.
 
 `use_fp64_gumbel` asks for float64 sampling noise; this path draws and accumulates in
 float64 whatever its value, so the flag is met without being read.
@@ -32,6 +34,9 @@ from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 TARGET_VERSION = "0.32.0"
 # Attribute of a draft-probabilities tensor in a reduced vocabulary: its columns' target ids.
 VOCAB_IDS_ATTR = "grpo_vocab_ids"
+# Attribute of a draft-probabilities tensor: a bool per row, True where the draft token was
+# not sampled from a q but chosen outright (its q is one-hot at it, whatever the row holds).
+ONE_HOT_ATTR = "grpo_one_hot_rows"
 _original = None
 
 
@@ -49,9 +54,12 @@ def rejection_sample(
     use_fp64_gumbel=False,
 ):
     vocab_ids = getattr(draft_probs, VOCAB_IDS_ATTR, None)
+    one_hot = getattr(draft_probs, ONE_HOT_ATTR, None)
     if synthetic_mode or not sampling_metadata.all_random:
         if vocab_ids is not None:
             draft_probs = to_target_vocab(draft_probs, vocab_ids, target_logits.shape[1])
+        if one_hot is not None:
+            draft_probs = with_one_hot_rows(draft_probs, one_hot, draft_token_ids)
         return _original(
             draft_token_ids,
             num_draft_tokens,
@@ -96,6 +104,8 @@ def rejection_sample(
         column[vocab_ids] = torch.arange(len(vocab_ids), device=device)
         at = column[safe.squeeze(1)]
         q = draft_probs.gather(1, at.clamp(min=0)[:, None]).squeeze(1).masked_fill(at < 0, 0.0)
+    if one_hot is not None:
+        q = torch.where(one_hot, 1.0, q)
     uniform = generate_uniform_probs(n, num_draft_tokens, sampling_metadata.generators, device)
     accepted = valid & (q > 0) & (p / q >= uniform)
 
@@ -112,13 +122,17 @@ def rejection_sample(
     # What the rejected draft takes out of p; a padded draft takes nothing out.
     residual = target.clone()
     hit = valid[rows].nonzero().squeeze(1)
+    chosen = hit if one_hot is None else hit[~one_hot[rows[hit]]]  # a sampled draft's rows
     if draft_probs is None:
         residual[hit, draft[rows[hit]]] = 0.0
     elif vocab_ids is None:
-        residual[hit] = (target[hit] - draft_probs[rows[hit]]).clamp_(min=0.0)
+        residual[chosen] = (target[chosen] - draft_probs[rows[chosen]]).clamp_(min=0.0)
     else:
-        drafted = residual[hit][:, vocab_ids] - draft_probs[rows[hit]]
-        residual[hit[:, None], vocab_ids[None, :]] = drafted.clamp_(min=0.0)
+        drafted = residual[chosen][:, vocab_ids] - draft_probs[rows[chosen]]
+        residual[chosen[:, None], vocab_ids[None, :]] = drafted.clamp_(min=0.0)
+    if draft_probs is not None and one_hot is not None:
+        outright = hit[one_hot[rows[hit]]]
+        residual[outright, draft[rows[outright]]] = 0.0
     # Nothing left (p <= q everywhere, so p == q up to rounding): sample p itself.
     exhausted = residual.sum(dim=1) <= 0
     residual[exhausted] = target[exhausted]
@@ -140,6 +154,16 @@ def to_target_vocab(q: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -
     dense = q.new_zeros(len(q), vocab_size)
     dense[:, vocab_ids] = q
     return dense
+
+
+def with_one_hot_rows(q: torch.Tensor, one_hot: torch.Tensor, draft_token_ids) -> torch.Tensor:
+    """q (over the target's vocabulary) with the flagged rows one-hot at their draft token."""
+    q = q.clone()
+    drafted = draft_token_ids.long()
+    rows = (one_hot & (drafted >= 0)).nonzero().squeeze(1)  # a padded draft keeps its row
+    q[rows] = 0.0
+    q[rows, drafted[rows]] = 1.0
+    return q
 
 
 def inverse_cdf(weights, u):

@@ -26,7 +26,12 @@ from __future__ import annotations
 import torch
 
 from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
-from vllm_plugin.patches.cpu_rejection_sample_v0_32 import VOCAB_IDS_ATTR, inverse_cdf
+from vllm_plugin.patches.cpu_rejection_sample_v0_32 import (
+    ONE_HOT_ATTR,
+    VOCAB_IDS_ATTR,
+    inverse_cdf,
+)
+from vllm_plugin.patches.group_drafts_v0_32 import ONE_HOT_REQS_ATTR
 
 TARGET_VERSION = "0.32.0"
 
@@ -83,6 +88,15 @@ def _get_spec_decode_draft_probs(self, spec_decode_metadata):
     vocab_ids = None if q is None else head_vocab_ids(self.drafter.model)
     if vocab_ids is not None and q.shape[-1] == len(vocab_ids):
         setattr(q, VOCAB_IDS_ATTR, vocab_ids)
+    one_hot_reqs = getattr(self, ONE_HOT_REQS_ATTR, ())
+    if q is not None and one_hot_reqs:
+        # The group's drafts among them: one flag per draft token, in q's row order.
+        flags = [
+            req_id in one_hot_reqs
+            for req_id, n in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens)
+            for _ in range(n)
+        ]
+        setattr(q, ONE_HOT_ATTR, torch.tensor(flags, dtype=torch.bool, device=q.device))
     return q
 
 

@@ -9,8 +9,12 @@ current, and the drafts the engine's drafter made (EAGLE's k per request, or non
 be replaced per request by `GroupDrafter`'s choice. Drafts of any length up to
 `num_speculative_tokens` per request are what vLLM's ngram path already produces; the
 scheduler, the runner and the rejection sampler take them as they are. Every draft is
-verified by the target, so outputs keep its distribution (the drafts are one-hot:
-greedy `draft_sample_method`).
+verified by the target, so outputs keep its distribution. A group draft is chosen
+outright, so its q is one-hot: next to sampled model drafts (`draft_sample_method:
+probabilistic`), the runner's cached q is rebuilt per request, the model's rows kept and
+the group's made one-hot (over the target's vocabulary), or, for a head with a reduced
+vocabulary, which cannot hold every group token, zero and named in `ONE_HOT_REQS_ATTR`
+for `cpu_sampled_drafts_v0_32` to flag to the rejection sampler.
 
 The returned `DraftTokenIds` carries `grpo_sources` and `grpo_model_discarded` (one per
 request) so the concurrency-aware scheduler learns the model draft's acceptance from its
@@ -30,6 +34,8 @@ from vllm_plugin.patches import runs_v1_model_runner
 
 TARGET_VERSION = "0.32.0"
 DRAFTER_ATTR = "_grpo_group"  # where the patched runner holds its GroupDrafter
+# Where it names the requests whose cached q (reduced vocabulary) stands for a one-hot draft.
+ONE_HOT_REQS_ATTR = "_grpo_one_hot_reqs"
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ def group_drafter(runner):
 def _build(runner):
     from vllm_plugin.controller import AcceptanceEstimator
     from vllm_plugin.group_drafter import GroupDrafter
-    from vllm_plugin.settings import ENV, ControllerSettings, load_latency, refuse_sampled_drafts
+    from vllm_plugin.settings import ControllerSettings, load_latency
 
     spec = runner.speculative_config
     if spec is None:
@@ -58,11 +64,6 @@ def _build(runner):
             "async_scheduling=False (`vllm serve --no-async-scheduling`; vLLM turns it on by "
             "default for EAGLE on GPU)"
         )
-    refuse_sampled_drafts(
-        spec.draft_sample_method,
-        "speculative_config.draft_sample_method",
-        f"{ENV} group.enabled",
-    )
     g = settings.group
     k_max = runner.num_spec_tokens
     drafter = GroupDrafter(
@@ -101,6 +102,7 @@ def _wrap_take(original):
         proposal = drafter.propose(
             rows, [list(model.get(r[0], ())) if has_model_draft else [] for r in rows]
         )
+        _one_hot_group_rows(self, [r[0] for r in rows], proposal)
         out = DraftTokenIds([r[0] for r in rows], proposal.drafts)
         out.grpo_sources = proposal.sources
         out.grpo_model_discarded = proposal.model_discarded
@@ -108,6 +110,34 @@ def _wrap_take(original):
 
     take_draft_token_ids._grpo_original = original
     return take_draft_token_ids
+
+
+def _one_hot_group_rows(runner, req_ids: list[str], proposal) -> None:
+    """The runner's cached q (`_draft_probs`, [request, k, vocab], of sampled model drafts)
+    as the next verification must read it: the model's rows where its draft is kept, one-hot
+    (or, in a reduced vocabulary, zero and named) where the group's replaced it."""
+    from vllm_plugin.group_drafter import GROUP
+
+    setattr(runner, ONE_HOT_REQS_ATTR, frozenset())
+    q = getattr(runner, "_draft_probs", None)
+    if q is None or GROUP not in proposal.sources:
+        return
+    row_of = {r: i for i, r in enumerate(runner._draft_prob_req_ids)}
+    width = max(q.shape[1], *(len(d) for d in proposal.drafts))
+    rebuilt = q.new_zeros(len(req_ids), width, q.shape[2])
+    full_vocab = q.shape[2] == runner.model_config.get_vocab_size()
+    for i, (req_id, draft, source) in enumerate(
+        zip(req_ids, proposal.drafts, proposal.sources, strict=True)
+    ):
+        if source != GROUP:
+            if req_id in row_of:
+                rebuilt[i, : q.shape[1]] = q[row_of[req_id]]
+        elif full_vocab:
+            rebuilt[i, range(len(draft)), draft] = 1.0
+    runner._draft_probs, runner._draft_prob_req_ids = rebuilt, list(req_ids)
+    if not full_vocab:
+        group = {r for r, s in zip(req_ids, proposal.sources, strict=True) if s == GROUP}
+        setattr(runner, ONE_HOT_REQS_ATTR, frozenset(group))
 
 
 def _wrap_init(original):
