@@ -110,6 +110,24 @@ def run(engine: Engine, prompts: list[str], sampling: SamplingSettings, per_requ
     }
 
 
+def replay_lengths(plain: Engine, workload: tuple, endings: dict) -> tuple:
+    """The tail workload with each request's length fixed to what a seeded rollout with no
+    speculation gave it (EOS or its budget): every configuration then makes exactly those
+    tokens, so makespans compare equal work. A speculative engine on CPU cannot follow
+    per-request seeds, so without this each configuration's answers, and the few longest
+    ones that set the makespan, would differ by chance (one run: the longest answer 780 to
+    1024 tokens across configurations). `endings` gets how the reference answers ended."""
+    section, key, policy, prompts, sampling, per_request = workload
+    plain.llm.reset_prefix_cache()
+    reference = plain.generate(prompts, sampling, **per_request)
+    lengths = [len(group[0].token_ids) for group in reference.outputs]
+    for group in reference.outputs:
+        ending = "eos" if group[0].finish_reason == "stop" else "budget"
+        endings[ending] = endings.get(ending, 0) + 1
+    exact = sampling.model_copy(update={"ignore_eos": True})
+    return section, key, policy, prompts, exact, {**per_request, "max_tokens": lengths}
+
+
 def run_config(
     config: Config,
     prompts: list[str],
@@ -170,19 +188,29 @@ def group_configs(
 
 
 def sampled_configs(
-    sampled: Engine, latency: LatencyModel, k_max: int, max_batch: int
+    sampled: Engine,
+    sampled_hybrid: Engine | None,
+    latency: LatencyModel,
+    k_max: int,
+    max_batch: int,
 ) -> dict[str, Config]:
     """The same head drafting by sampling (q handed to verification): fixed k and ours,
-    each with its own estimator, priced on the profile of sampled drafting."""
+    each with its own estimator, priced on the profile of sampled drafting; and ours next
+    to drafts from the group's text (verified one-hot)."""
     scheduler = sampled.scheduler()
     ours = scheduler.new_acceptance()
-    return {
+    configs = {
         **{
             f"sampled k={k}": Config(sampled, FixedPolicy(k), scheduler.new_acceptance())
             for k in range(1, k_max + 1)
         },
         "sampled ours": Config(sampled, GoodputPolicy(latency, ours, max_batch), ours),
     }
+    if sampled_hybrid is not None:
+        ours = sampled_hybrid.scheduler().new_acceptance()
+        policy = GoodputPolicy(latency, ours, max_batch)
+        configs["sampled ours + group"] = Config(sampled_hybrid, policy, ours, group=True)
+    return configs
 
 
 def few_in_flight_share(trace: list) -> float:
@@ -319,6 +347,7 @@ def main() -> None:
     # workload still runs side by side, interleaved, in each repeat.
     results: dict[str, dict[str, dict[str, list[dict]]]] = {}
     tables, calibration = {}, {}
+    tail_endings: dict[str, int] = {}
     for name, (model, draft) in models.items():
         own_workloads = [w for w in workloads if w[2] == name]
         if not own_workloads:
@@ -343,17 +372,25 @@ def main() -> None:
         plain = engine()
         spec = engine(**eagle, controller=controller)
         engines = [plain, spec]
+        own_workloads = [
+            replay_lengths(plain, w, tail_endings) if w[0] == "tail" else w for w in own_workloads
+        ]
         if args.group:
             group_only = engine(draft=None, k=args.group_k_max, controller=with_group)
             hybrid = engine(**eagle, controller=with_group)
             engines += [group_only, hybrid]
         if args.sampled:
-            sampled = engine(
-                **eagle,
-                draft_sampling="probabilistic",
-                controller={"policy": "goodput", "profile": str(sampled_profile)},
-            )
+            sampled_controller = {"policy": "goodput", "profile": str(sampled_profile)}
+            sampled = engine(**eagle, draft_sampling="probabilistic", controller=sampled_controller)
             engines.append(sampled)
+            sampled_hybrid = None
+            if args.group:
+                sampled_hybrid = engine(
+                    **eagle,
+                    draft_sampling="probabilistic",
+                    controller={**sampled_controller, "group": {"enabled": True}},
+                )
+                engines.append(sampled_hybrid)
         # Calibrate the static table the way a user would: measure acceptance once at
         # k_max, on this policy's own GRPO-shaped rollout.
         spec.scheduler().set_policy(FixedPolicy(args.k_max))
@@ -371,7 +408,9 @@ def main() -> None:
         if args.group:
             configs.update(group_configs(group_only, hybrid, latency, max_batch))
         if args.sampled:
-            configs.update(sampled_configs(sampled, sampled_latency, args.k_max, max_batch))
+            configs.update(
+                sampled_configs(sampled, sampled_hybrid, sampled_latency, args.k_max, max_batch)
+            )
         if args.only:
             keep = {"no spec", *args.only.split(",")}
             if keep - set(configs):
@@ -446,6 +485,7 @@ def main() -> None:
             n: list(zip(r[-1]["scheduled_s"], r[-1]["finished_s"], strict=True))
             for n, r in results.get("tail", {}).get("tail", {}).items()
         },
+        "tail_reference_endings": tail_endings,
         "tail_lengths": {
             n: [group[0] for group in r[-1]["lengths"]]
             for n, r in results.get("tail", {}).get("tail", {}).items()
@@ -570,7 +610,7 @@ def report(r: dict) -> str:
             )
     tail = res.get("tail", {}).get("tail")
     if tail:
-        lines += ["", *_tail_report(tail, a)]
+        lines += ["", *_tail_report(tail, r)]
     tag = a["study"]
     lines += [
         "",
@@ -598,7 +638,13 @@ def _by_source(v: dict) -> str:
     )
 
 
-def _tail_report(per: dict, a: dict) -> list[str]:
+def _endings(r: dict) -> str:
+    endings = r.get("tail_reference_endings", {})
+    n = sum(endings.values())
+    return f"{endings.get('eos', 0)} of {n} ended at EOS there, the rest at their own budget"
+
+
+def _tail_report(per: dict, r: dict) -> list[str]:
     base = per["no spec"]
     fixed = [n for n in per if n.startswith(("k=", "sampled k=")) and not n.startswith("k=0")]
     best_fixed = min(fixed, key=lambda n: per[n]["makespan_s"], default=None)
@@ -606,6 +652,10 @@ def _tail_report(per: dict, a: dict) -> list[str]:
         f"### Tail shape: {len(TAIL.questions)} mixed-level prompts x {TAIL.group} samples, T=1, "
         f"each request its own budget under a {TAIL.cap} cap (`benchmarks/tail_shape.py`)",
         "",
+        "Each request makes exactly the tokens a seeded rollout with no speculation gave it "
+        f"({_endings(r)}), EOS then ignored, so every configuration does the same work "
+        "(speculative engines on CPU cannot follow per-request seeds: left to chance, the "
+        "longest answers, which set the makespan, differ from run to run). "
         "Makespan: the rollout's wall time from its first scheduling to its last token; tail "
         f"phase: from the moment {1 - TAIL_FRACTION:.0%} of the requests had finished to the "
         "last. Speedups are no speculation's time over the configuration's (higher is better).",
@@ -621,7 +671,7 @@ def _tail_report(per: dict, a: dict) -> list[str]:
             f"{v['mal']:.2f} | {_by_source(v)} |"
         )
     rivals = [best_fixed, "static table", "paper rule", *VLLM_EXAMPLE_TABLES_NAMES]
-    for ours in ("ours", "sampled ours", "ours + group"):
+    for ours in ("ours", "sampled ours", "ours + group", "sampled ours + group"):
         if ours in per:
             lines += [
                 "",
@@ -680,7 +730,7 @@ def plot(r: dict) -> None:
     timelines = r.get("tail_timelines", {})
     if timelines:
         fig, ax = plt.subplots(figsize=(8, 3.5))
-        for n in ("no spec", "ours", "ours + group", "static table"):
+        for n in ("no spec", "ours", "sampled ours", "sampled ours + group", "static table"):
             if n in timelines:
                 times, counts = in_flight(*map(list, zip(*timelines[n], strict=True)))
                 ax.step(times, counts, where="post", label=n)
