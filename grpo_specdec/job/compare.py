@@ -5,7 +5,10 @@ from an empty prefix cache, side by side in a table.
 
 `compare.shape: tail` rolls the next batch's prompts out as the tail shape
 (`tasks/tail_shape.py`): each sample its own request with its own length budget, so that
-few requests are left in flight for much of the rollout, as in real GRPO rollouts.
+few requests are left in flight for much of the rollout, as in real GRPO rollouts. There
+the other rows make exactly the tokens each request made without speculation (EOS then
+ignored): a speculative engine on CPU cannot follow per-request seeds, so left to chance
+its longest answers, which set the makespan, would differ.
 
 It lives in the job, not in benchmarks/, because `grpo-specdec train` (and `make demo`)
 prints it from an installed package; benchmarks can import it from here.
@@ -62,6 +65,10 @@ def compare_rollout(
             runs[name] = ray.get(
                 engine.rollout.remote(prompts, sampling, fixed_k=fixed_k, **per_request)
             )
+            if name == NO_SPEC and cfg.shape == "tail":
+                lengths = [len(samples[0]) for samples in runs[name].responses]
+                per_request = {**per_request, "max_tokens": lengths}
+                sampling = {**sampling, "ignore_eos": True}
     finally:
         ray.get(plain.shutdown.remote())
         ray.kill(plain)
