@@ -93,6 +93,12 @@ def test_padded_draft_ignores_its_draft_probabilities():
     assert torch.allclose(freq, p.double(), atol=0.015), freq
 
 
+def _draws(drafts, logits, q, batches: int = 300):
+    """Our sampler's outputs for `batches` copies of one batch, from one fixed seed."""
+    torch.manual_seed(1)
+    return torch.cat([_sample(fast.rejection_sample, drafts, logits, q) for _ in range(batches)])
+
+
 def test_draft_probabilities_in_a_reduced_vocabulary_read_as_dense_ones():
     """q over a head's own vocabulary (its columns' target ids attached) gives, draw for
     draw, the tokens the same q spread over the target vocabulary gives."""
@@ -104,12 +110,7 @@ def test_draft_probabilities_in_a_reduced_vocabulary_read_as_dense_ones():
     reduced = torch.randn(rows, len(vocab_ids)).softmax(-1)
     dense = fast.to_target_vocab(reduced, vocab_ids, vocab)
     setattr(reduced, fast.VOCAB_IDS_ATTR, vocab_ids)
-    outs = []
-    for q in (dense, reduced):
-        torch.manual_seed(1)
-        outs.append(
-            torch.cat([_sample(fast.rejection_sample, drafts, logits, q) for _ in range(300)])
-        )
+    outs = [_draws(drafts, logits, q) for q in (dense, reduced)]
     assert torch.equal(outs[0], outs[1])
     assert len({tuple(r) for r in outs[0].tolist()}) > 20  # rejections and recoveries happen
 
@@ -135,12 +136,7 @@ def test_rows_flagged_one_hot_verify_their_draft_as_chosen_outright():
     )
     setattr(reduced, fast.VOCAB_IDS_ATTR, vocab_ids)
     setattr(reduced, fast.ONE_HOT_ATTR, flagged)
-    outs = []
-    for q in (dense, reduced):
-        torch.manual_seed(1)
-        outs.append(
-            torch.cat([_sample(fast.rejection_sample, drafts, logits, q) for _ in range(300)])
-        )
+    outs = [_draws(drafts, logits, q) for q in (dense, reduced)]
     assert torch.equal(outs[0], outs[1])
     # Request 4's draft [39, 5], token 5 outside the head's vocabulary: both kept exactly
     # when both are accepted (a rejected one is never re-drawn), p(39) p(5) of the time.
