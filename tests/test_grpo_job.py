@@ -218,12 +218,16 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
         assert 0 < int(tokens) <= 16 * 48 and float(tokens_per_s) > 0
         assert abs(int(tokens) / float(tokens_per_s) - float(seconds)) <= 0.06, (plain, spec)
         assert 0 <= float(tail_s) <= float(seconds) + 0.05
+    # Every row made exactly the tokens each request made without speculation.
+    assert plain[0] == spec[0] == fixed[0], (plain, spec, fixed)
     # Each row measured its own engine: the plain one never drafted; the speculative one
-    # chose k > 0 on some steps and had drafts accepted; the fixed one drafted 2 or nothing.
+    # went through its scheduler (here ~12 tokens a request, 16 at once: it may well not
+    # draft; every iteration above did); the fixed one drafted 2 or nothing, and had drafts
+    # accepted.
     assert plain[5:] == ["1.00", "-"], plain
-    assert float(spec[5]) > 1.0 and spec[6] != "-", spec
-    assert any(int(pair.split(":")[0]) > 0 for pair in spec[6].split(", ")), spec
+    assert spec[6] != "-", spec
     assert {pair.split(":")[0] for pair in fixed[6].split(", ")} <= {"0", "2"} and "2:" in fixed[6]
+    assert float(fixed[5]) > 1.0, fixed
     # A row's ratio is no speculation's measured time over its own.
     for row in (spec, fixed):
         ratio, p, s = float(row[3].removesuffix("x")), float(plain[1]), float(row[1])
