@@ -32,11 +32,8 @@ def requests_of(batch: Batch, cfg: CompareSettings, seed: int) -> tuple[list[str
     """(prompts, sampling, per-request settings) of the comparison's rollout."""
     if cfg.shape == "batch":
         return batch.prompts, batch.sampling, {"seeds": batch.seeds}
-    cap = cfg.cap or batch.sampling["max_tokens"]
-    group = batch.sampling["n"]
-    shape = with_budgets(
-        batch.prompts, group, cap, cfg.budget_median or cap // 4, cfg.budget_sigma, seed
-    )
+    cap, median = cfg.cap_and_median(batch.sampling["max_tokens"])
+    shape = with_budgets(batch.prompts, batch.sampling["n"], cap, median, cfg.budget_sigma, seed)
     sampling = {**batch.sampling, "n": 1, "max_tokens": cap}
     return shape.prompts, sampling, {"seeds": shape.seeds, "max_tokens": shape.max_tokens}
 
@@ -102,8 +99,8 @@ def comparison_table(runs: dict[str, dict], requests: str) -> str:
 def what_is_compared(cfg: CompareSettings, prompts: int, group: int, max_tokens: int) -> str:
     if cfg.shape == "batch":
         return f"the next {prompts} prompts x {group} samples"
-    cap = cfg.cap or max_tokens
+    cap, median = cfg.cap_and_median(max_tokens)
     return (
         f"the next {prompts} prompts x {group} samples as the tail shape (each its own request, "
-        f"budgets log-normal around {cfg.budget_median or cap // 4} tokens, cap {cap})"
+        f"budgets log-normal around {median} tokens, cap {cap})"
     )

@@ -143,6 +143,11 @@ class CompareSettings(StrictModel):
         [], description="also roll it out with the job's engine at each of these fixed k"
     )
 
+    def cap_and_median(self, max_tokens: int) -> tuple[int, int]:
+        """tail: the global cap and the budgets' median, defaults filled from the rollout's."""
+        cap = self.cap or max_tokens
+        return cap, self.budget_median or cap // 4
+
 
 class TrainConfig(StrictModel):
     model: ModelSettings
@@ -165,7 +170,7 @@ class TrainConfig(StrictModel):
     @model_validator(mode="after")
     def _comparable(self) -> TrainConfig:
         c, r = self.compare, self.rollout
-        cap = c.cap or r.max_tokens
+        cap, _ = c.cap_and_median(r.max_tokens)
         if c.budget_median is not None and c.budget_median > cap:
             raise ValueError(f"compare.budget_median={c.budget_median} exceeds the cap {cap}")
         if r.max_model_len is not None and cap >= r.max_model_len:
