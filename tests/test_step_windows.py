@@ -38,7 +38,7 @@ class FakeEngine:
     def scheduler(self):
         return self.sched
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, **per_request):
         batch, k = len(prompts), self.sched.dynamic_sd_lookup[len(prompts)]
         for _ in range(5):
             self.clock += 0.002
@@ -47,7 +47,12 @@ class FakeEngine:
             if k:
                 self.sched.acceptance.observe(k, 1)
         return SimpleNamespace(
-            wall_s=0.01, num_generated_tokens=5, spec={"mean_acceptance_length": 2.0}
+            wall_s=0.01,
+            num_generated_tokens=5,
+            spec={"mean_acceptance_length": 2.0},
+            scheduled_s=[0.0] * batch,
+            finished_s=[0.01] * batch,
+            outputs=[[SimpleNamespace(token_ids=[1] * 5)] for _ in prompts],
         )
 
 
