@@ -14,7 +14,7 @@ Workloads:
   16, max 512 tokens);
 - the tail shape (`benchmarks/tail_shape.py`: 8 mixed-level prompts x 8 samples, each its
   own request with its own length budget under a 1024 cap), where the last tenth of the
-  requests take a third of the no-speculation wall time: its makespan and its tail phase
+  requests take a quarter of the no-speculation wall time: its makespan and its tail phase
   (after 90% of the requests finished) are reported apart.
 One speculative engine per policy serves every speculative configuration (the
 scheduler's k source is switched between runs); a plain engine with no draft is the

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
 from benchmarks.common import ASSETS, smollm2, write_study
-from grpo_specdec.engine import Engine, EngineConfig, GenerationResult, SamplingSettings
+from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.tasks.tail_shape import (
     TailShape,
     in_flight,
@@ -49,7 +49,7 @@ class Finished:
     end_s: float
 
 
-def rollout(engine, shape: TailShape) -> tuple[list[Finished], GenerationResult]:
+def rollout(engine, shape: TailShape) -> list[Finished]:
     """Roll the shape out at T = 1 from an empty prefix cache, one request per sample.
 
     Each request is seeded, unless the engine speculates (vLLM 0.32 on CPU cannot then; the
@@ -71,7 +71,7 @@ def rollout(engine, shape: TailShape) -> tuple[list[Finished], GenerationResult]
         else:
             ending = "cap" if tokens >= shape.cap else "budget"
         finished.append(Finished(tokens, ending, start, end))
-    return finished, res
+    return finished
 
 
 def _summary(runs: list[list[Finished]], cap: int) -> dict:
@@ -180,7 +180,7 @@ def main() -> None:
     )
     runs = []
     for i in range(args.runs):
-        runs.append(rollout(engine, shape)[0])
+        runs.append(rollout(engine, shape))
         print(f"run {i + 1}: tail share {tail_share([f.end_s for f in runs[-1]]):.0%}", flush=True)
     engine.shutdown()
     summary = _summary(runs, shape.cap)
