@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider
+	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider --durations=15
 
 # A short SmolLM2 GRPO job: speculative rollouts with the package's arithmetic head, which
 # keeps learning online; ends with a first-vs-last-iterations summary table and the next

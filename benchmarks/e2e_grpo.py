@@ -62,6 +62,14 @@ SHAPES = {
         "rollout.max_tokens=256",
         "data.levels=[2,3]",
     ],
+    # The tail shape (grpo_specdec/tasks/tail_shape.py) in every iteration: levels 1-4, each
+    # sample its own log-normal budget (median 128) under a 512 cap, so that few requests are
+    # left in flight for much of each rollout, as in real GRPO rollouts.
+    "tail": [
+        "data.levels=[1,2,3,4]",
+        "rollout.max_tokens=512",
+        "rollout.length_budget.median=128",
+    ],
     # 4x the default learning rate: the policy moves within ~20 iterations, so a frozen draft
     # can go stale (at 5e-6 it barely moves, and frozen and online stay alike).
     "policy_drift": ["policy.lr=2e-5"],
@@ -148,10 +156,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
-def group_size(shape: str, sets: list[str]) -> int:
-    """Samples per prompt in the runs of this shape, from the config they were run with."""
-    cfg = load_yaml(TrainConfig, ROOT / "configs" / "smollm2_arith.yaml", [*SHAPES[shape], *sets])
-    return cfg.rollout.group_size
+def shape_config(shape: str, sets: list[str]) -> TrainConfig:
+    """The config the runs of this shape are run with, before each configuration's own."""
+    return load_yaml(TrainConfig, ROOT / "configs" / "smollm2_arith.yaml", [*SHAPES[shape], *sets])
 
 
 def prompt_means(rewards: list[list[float]], group: int) -> list[float]:
@@ -319,7 +326,9 @@ def measure(args: argparse.Namespace) -> dict:
     """Run the configurations; their results as saved in docs/assets/e2e_SHAPE.json."""
     target = smollm2()
     head = smollm2_head(target)
-    profile = smollm2_profile(target, head, args.k)
+    # Timed as the runs draft: greedily or sampling (the config's rollout.draft_sampling).
+    drafting = shape_config(args.shape, args.set).rollout.draft_sampling
+    profile = smollm2_profile(target, head, args.k, drafting)
     runs, started = {}, time.time()
     for key in args.configs:
         t = time.time()
@@ -362,7 +371,7 @@ def section(data: dict, rebuilt: bool) -> str:
             f"`python benchmarks/e2e_grpo.py --shape {shape} --report-only`"
         )
     return f"### Shape `{shape}`\n\n{measured}.\n\n" + report(
-        shape, data["summary"], args["iterations"], group_size(shape, sets)
+        shape, data["summary"], args["iterations"], shape_config(shape, sets).rollout.group_size
     )
 
 

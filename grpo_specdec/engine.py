@@ -115,8 +115,8 @@ class GenerationResult:
     outputs: list[list[Sample]]  # [prompt][sample]
     spec: dict
     wall_s: float
-    # Per prompt (one vLLM request), seconds since the call's first scheduling: when it was
-    # first scheduled and when its last token came (vLLM's own request timestamps).
+    # Per vLLM request (a prompt, or a sample given its own budget), seconds since the call's
+    # first scheduling: when it was first scheduled and its last token came (vLLM's stamps).
     scheduled_s: list[float] = field(default_factory=list)
     finished_s: list[float] = field(default_factory=list)
 
@@ -219,11 +219,13 @@ class Engine:
         chat: bool = True,
         use_tqdm: bool = False,
         seeds: list[int] | None = None,
-        max_tokens: list[int] | None = None,
+        max_tokens: list[int] | list[list[int]] | None = None,
     ) -> GenerationResult:
         """`seeds`: one per prompt, instead of `sampling.seed` for all (a prompt's samples
         then follow its own seed, whatever else the engine serves). `max_tokens`: one per
-        prompt, instead of `sampling.max_tokens` for all."""
+        prompt, instead of `sampling.max_tokens` for all; or one list of `sampling.n` per
+        prompt, a budget per sample: each sample is then its own vLLM request (sample j
+        seeded seed + j), and `scheduled_s`/`finished_s` are per sample."""
         from vllm import SamplingParams
 
         if not prompts:
@@ -247,27 +249,48 @@ class Engine:
         for name, per_prompt in (("seeds", seeds), ("max_tokens", max_tokens)):
             if per_prompt is not None and len(per_prompt) != len(ids):
                 raise ValueError(f"{len(per_prompt)} {name} for {len(ids)} prompts")
-        if max_tokens is not None and min(max_tokens) < 1:
-            raise ValueError(f"max_tokens must be at least 1 per prompt, got {min(max_tokens)}")
+        per_sample = max_tokens is not None and isinstance(max_tokens[0], list)
+        if per_sample:
+            for i, budgets in enumerate(max_tokens):
+                if len(budgets) != sampling.n:
+                    raise ValueError(
+                        f"max_tokens of prompt {i}: {len(budgets)} budgets for n={sampling.n}"
+                    )
+        # Each vLLM request: (its prompt, its sample; None: all n samples of the prompt).
+        requests = [
+            (i, j) for i in range(len(ids)) for j in (range(sampling.n) if per_sample else [None])
+        ]
+        budgets = [
+            sampling.max_tokens
+            if max_tokens is None
+            else max_tokens[i]
+            if j is None
+            else max_tokens[i][j]
+            for i, j in requests
+        ]
+        if min(budgets) < 1:
+            raise ValueError(f"max_tokens must be at least 1 per request, got {min(budgets)}")
         params = [
             SamplingParams(
-                n=sampling.n,
+                n=1 if per_sample else sampling.n,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
-                max_tokens=sampling.max_tokens if max_tokens is None else max_tokens[i],
-                seed=self._request_seed(sampling.seed if seeds is None else seeds[i]),
+                max_tokens=budget,
+                seed=self._request_seed(sampling.seed if seeds is None else seeds[i] + (j or 0)),
                 ignore_eos=sampling.ignore_eos,
             )
-            for i in range(len(ids))
+            for (i, j), budget in zip(requests, budgets, strict=True)
         ]
         start = time.perf_counter()
-        raw = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=use_tqdm)
+        raw = self.llm.generate(
+            [{"prompt_token_ids": ids[i]} for i, _ in requests], params, use_tqdm=use_tqdm
+        )
         wall = time.perf_counter() - start
         counters = SpecCounters()
-        outputs = []
-        for r in raw:
+        outputs: list[list[Sample]] = [[] for _ in ids]
+        for (i, _), r in zip(requests, raw, strict=True):
             group = sorted(r.outputs, key=lambda o: o.index)
-            outputs.append([Sample(o.text, list(o.token_ids), o.finish_reason) for o in group])
+            outputs[i] += [Sample(o.text, list(o.token_ids), o.finish_reason) for o in group]
             for o in group:
                 counters.observe_sequence(o.spec_decode_metrics)
         t0 = min(r.metrics.scheduled_ts for r in raw)

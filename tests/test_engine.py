@@ -63,11 +63,31 @@ def test_each_prompt_gets_its_own_token_budget_and_finish_time(eagle_engine, que
     assert max(out.finished_s) <= out.wall_s
 
 
+def test_each_sample_gets_its_own_budget_and_stays_with_its_prompt(eagle_engine, questions):
+    budgets = [[5, 30, 9], [17, 2, 11]]
+    # top_p this small keeps only the likeliest token: each sample is the greedy answer.
+    sampling = SamplingSettings(n=3, temperature=1.0, top_p=1e-3, max_tokens=64, ignore_eos=True)
+    out = eagle_engine.generate(questions[:2], sampling, max_tokens=budgets)
+    assert [[len(s.token_ids) for s in g] for g in out.outputs] == budgets
+    assert len(out.finished_s) == 6  # a request per sample
+    # So every sample of a prompt is its greedy continuation, cut at its own budget.
+    whole = eagle_engine.generate(questions[:2], SamplingSettings(max_tokens=30, ignore_eos=True))
+    for group, (ref,) in zip(out.outputs, whole.outputs, strict=True):
+        for s in group:
+            assert s.token_ids == ref.token_ids[: len(s.token_ids)]
+
+
 def test_per_prompt_budgets_are_checked(plain_engine, questions):
     with pytest.raises(ValueError, match="2 max_tokens for 3 prompts"):
         plain_engine.generate(questions[:3], GREEDY, max_tokens=[4, 4])
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         plain_engine.generate(questions[:2], GREEDY, max_tokens=[4, 0])
+    with pytest.raises(ValueError, match="max_tokens of prompt 1: 1 budgets for n=2"):
+        plain_engine.generate(
+            questions[:2],
+            SamplingSettings(n=2, temperature=1.0, max_tokens=8),
+            max_tokens=[[4, 4], [4]],
+        )
 
 
 def test_chat_template_and_raw_prompts_differ(plain_engine):

@@ -14,6 +14,7 @@ import time
 import torch
 
 from grpo_specdec.config import load_yaml
+from grpo_specdec.job.batches import batch_at
 from grpo_specdec.job.config import TrainConfig
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
 from tests.conftest import job_overrides, job_records, run_cli
@@ -73,6 +74,7 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         [
             *job_overrides(tiny_target, tiny_draft, job_profile, out, 2),
             "rollout.controller.group.enabled=true",
+            "rollout.length_budget.median=16",
         ],
     )
     job = Job(cfg)
@@ -120,6 +122,15 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
                 ray.get(job.policies[0].__ray_call__.remote(_hf_greedy, prompt_ids, 20))
                 == engine_out
             )
+        # rollout.length_budget: every sample of a group stops at its own budget.
+        batch = batch_at(job.source, job.cursor, cfg.rollout, cfg.seed)
+        budgeted = ray.get(
+            job.rollouts[0].rollout.remote(
+                batch.prompts, {**batch.sampling, "ignore_eos": True}, None, batch.budgets
+            )
+        )
+        assert [[len(s) for s in group] for group in budgeted.responses] == batch.budgets
+        assert len({b for group in batch.budgets for b in group}) > 1
 
         # The draft learner dies after iteration 3, which wrote no checkpoint: Ray restarts
         # it from checkpoint 2, a version behind the draft the engine serves.

@@ -191,6 +191,21 @@ def test_batches_follow_the_cursor_and_seed_each_prompts_samples_apart():
     assert batch_at(_Source(), 6, RolloutSettings(), 1).seeds is None
 
 
+def test_length_budgets_give_each_sample_its_own_cap_the_same_at_the_same_cursor():
+    rollout = RolloutSettings(
+        prompts_per_iteration=3, group_size=8, max_tokens=512, length_budget={"median": 128}
+    )
+    batch = batch_at(_Source(), 6, rollout, job_seed=1)
+    assert [len(b) for b in batch.budgets] == [8, 8, 8]
+    flat = [b for group in batch.budgets for b in group]
+    assert all(16 <= b <= 512 for b in flat) and len(set(flat)) > 12
+    assert batch_at(_Source(), 6, rollout, job_seed=1).budgets == batch.budgets
+    assert batch_at(_Source(), 9, rollout, job_seed=1).budgets != batch.budgets
+    assert batch_at(_Source(), 6, RolloutSettings(), 1).budgets is None
+    with pytest.raises(ValueError, match=r"rollout.length_budget.median \(600\) exceeds"):
+        RolloutSettings(max_tokens=512, length_budget={"median": 600})
+
+
 # ---- vLLM's log -----------------------------------------------------------------------
 
 

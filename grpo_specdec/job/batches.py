@@ -1,5 +1,6 @@
 """Each iteration's prompts: drawn in order from the data source at the job's cursor, with
-the sampling settings of the rollout and, when seeded, each prompt's seed."""
+the sampling settings of the rollout and, when seeded, each prompt's seed; with
+rollout.length_budget, each sample's own max_tokens."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 from grpo_specdec.job.config import DataSettings, RolloutSettings
 from grpo_specdec.tasks.datasets import ArithmeticSource, JsonlSource
+from grpo_specdec.tasks.tail_shape import with_budgets
 
 
 def prompt_source(cfg: DataSettings):
@@ -20,6 +22,7 @@ class Batch:
     examples: list  # each with .question and .answer
     sampling: dict  # SamplingSettings fields
     seeds: list[int] | None  # one per prompt, with rollout.seeded
+    budgets: list[list[int]] | None = None  # [prompt][sample] max_tokens, with length_budget
 
     @property
     def prompts(self) -> list[str]:
@@ -39,4 +42,16 @@ def batch_at(source, cursor: int, rollout: RolloutSettings, job_seed: int) -> Ba
     seeds = None
     if rollout.seeded:  # vLLM seeds a prompt's samples seed, seed + 1, ...: keep them apart
         seeds = [(job_seed << 32) + (cursor + i) * rollout.group_size for i in range(len(examples))]
-    return Batch(examples, sampling, seeds)
+    budgets = None
+    if rollout.length_budget:
+        flat = with_budgets(
+            [e.question for e in examples],
+            rollout.group_size,
+            rollout.max_tokens,
+            rollout.length_budget.median,
+            rollout.length_budget.sigma,
+            seed=(job_seed << 32) + cursor,
+        ).max_tokens
+        g = rollout.group_size
+        budgets = [flat[i * g : (i + 1) * g] for i in range(len(examples))]
+    return Batch(examples, sampling, seeds, budgets)

@@ -40,6 +40,15 @@ class DataSettings(StrictModel):
         return self
 
 
+class LengthBudget(StrictModel):
+    """Each sample its own seeded log-normal max_tokens (at least 16, at most
+    rollout.max_tokens): the tail shape's stand-in for a policy that has learnt to stop
+    (`tasks/tail_shape.py`), so that few requests are left in flight for much of a rollout."""
+
+    median: int = Field(ge=16)
+    sigma: float = Field(0.7, ge=0)
+
+
 class RolloutSettings(StrictModel):
     prompts_per_iteration: int = Field(8, ge=1)
     group_size: int = Field(8, ge=2)
@@ -63,6 +72,18 @@ class RolloutSettings(StrictModel):
         "then do not depend on which engine serves it, or beside what (vLLM 0.32 on CPU "
         "ignores request seeds while speculating)",
     )
+    length_budget: LengthBudget | None = Field(
+        None, description="per-sample length budgets (a benchmark shape); none: max_tokens each"
+    )
+
+    @model_validator(mode="after")
+    def _budget_under_cap(self) -> RolloutSettings:
+        if self.length_budget and self.length_budget.median > self.max_tokens:
+            raise ValueError(
+                f"rollout.length_budget.median ({self.length_budget.median}) exceeds "
+                f"rollout.max_tokens ({self.max_tokens}), the budgets' cap"
+            )
+        return self
 
 
 class PolicySettings(StrictModel):

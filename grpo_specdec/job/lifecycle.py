@@ -134,12 +134,16 @@ class Roles:
     # ---- each iteration --------------------------------------------------------------
     def roll_out(self, batch: Batch) -> list[Rollout]:
         """Consecutive prompt groups to each engine, side by side; their rollouts in order."""
-        prompts, seeds, n = batch.prompts, batch.seeds, len(self.rollouts)
+        prompts, seeds, budgets = batch.prompts, batch.seeds, batch.budgets
+        n = len(self.rollouts)
         parts = [shard(len(prompts), i, n) for i in range(n)]
         return get_failing_fast(
             [
                 engine.rollout.remote(
-                    [prompts[i] for i in part], batch.sampling, seeds and [seeds[i] for i in part]
+                    [prompts[i] for i in part],
+                    batch.sampling,
+                    seeds and [seeds[i] for i in part],
+                    budgets and [budgets[i] for i in part],
                 )
                 for engine, part in zip(self.rollouts, parts, strict=True)
             ]

@@ -20,7 +20,7 @@ class Rollout:
     # With group drafts: draft and accepted tokens per source ("model", "group") in this
     # rollout, and the history the drafter holds after it.
     sources: dict | None = None
-    finished_s: list[float] | None = None  # per prompt, its last token's time into the rollout
+    finished_s: list[float] | None = None  # per request, its last token's time into the rollout
 
     @staticmethod
     def gather(parts: list[Rollout]) -> Rollout:
@@ -69,10 +69,10 @@ class RolloutWorker:
         prompts: list[str],
         sampling: dict,
         seeds: list[int] | None = None,
-        max_tokens: list[int] | None = None,
+        max_tokens: list[int] | list[list[int]] | None = None,
         fixed_k: int | None = None,
     ) -> Rollout:
-        """`max_tokens`: one budget per prompt; `fixed_k`: draft exactly k tokens every step
+        """`max_tokens`: one budget per prompt, or per sample (`Engine.generate`); `fixed_k`: draft exactly k tokens every step
         of this rollout (the scheduler's policy and acceptance estimator are put back after)."""
         scheduler = self._aware_scheduler()
         mark = scheduler.steps_scheduled if scheduler is not None else 0
