@@ -5,6 +5,8 @@ fixed k each step, for a grid of B and k. Step time is the interval between succ
 scheduler steps (model forward, sampling, drafting and bookkeeping: everything a step
 costs). The fit gives T(n), the step latency with n = B * (k + 1) tokens in the target
 forward, whose knee is C_peak, and D(B), the cost of one draft step over B sequences.
+A few of the (B, k) are timed again at a long context, for the attention term: what each
+query token pays per token of context it attends to (the tail of a rollout runs there).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.engine_config import Dtype
 from grpo_specdec.tasks.arithmetic import make_problems
-from vllm_plugin.controller import FixedPolicy, LatencyModel, fit_latency
+from vllm_plugin.controller import FixedPolicy, LatencyModel, fit_attention, fit_latency
 from vllm_plugin.settings import profile_key, store_path
 
 
@@ -40,8 +42,17 @@ class ProfileConfig(StrictModel):
     enforce_eager: bool = False
 
 
+LONG_CONTEXT = 512  # prompt tokens of the long-context steps (at most half the context)
+LONG_BATCHES = (1, 4, 16)  # those of the profiled batch sizes timed there, at k = 0 and k_max
+
+
 def _time_steps(
-    engine: Engine, prompts: list[str], batch: int, k: int, steps: int, temperature: float = 0.0
+    engine: Engine,
+    prompts: list[str] | list[list[int]],
+    batch: int,
+    k: int,
+    steps: int,
+    temperature: float = 0.0,
 ) -> list[float]:
     """Milliseconds of each decode-only step with exactly `batch` running and `k` drafted."""
     scheduler = engine.scheduler()
@@ -83,35 +94,57 @@ def measure(cfg: ProfileConfig, log=print) -> list[dict]:
         )
     )
     try:
-        prompts = [p.question for p in make_problems(max_batch, seed=1, level=2)]
+        prompts = [engine.encode(p.question) for p in make_problems(max_batch, seed=1, level=2)]
+        # The same prompts, each its own ids repeated to the long context's length.
+        long = min(LONG_CONTEXT, engine.cfg.max_model_len // 2)
+        long_prompts = [(p * (long // len(p) + 1))[:long] for p in prompts]
         temperature = 0.0 if cfg.draft_sampling == "greedy" else 1.0
         # warm up every code path
         _time_steps(engine, prompts, max_batch, cfg.k_max, 4, temperature)
+        grid = [(b, k, False) for b in cfg.batch_sizes for k in range(cfg.k_max + 1)]
+        grid += [(b, k, True) for b in cfg.batch_sizes if b in LONG_BATCHES for k in (0, cfg.k_max)]
         rows = []
-        for batch in cfg.batch_sizes:
-            for k in range(cfg.k_max + 1):
-                samples = _time_steps(engine, prompts, batch, k, cfg.steps, temperature)
-                if samples:
-                    ms = statistics.median(samples)
-                    rows.append(
-                        {
-                            "batch": batch,
-                            "k": k,
-                            "tokens": batch * (k + 1),
-                            "ms": ms,
-                            "samples": len(samples),
-                        }
-                    )
-                    log(f"B={batch:4d} k={k}: {ms:7.2f} ms/step over {len(samples)} steps")
+        for batch, k, at_long in grid:
+            timed = long_prompts if at_long else prompts
+            samples = _time_steps(engine, timed, batch, k, cfg.steps, temperature)
+            if samples:
+                ms = statistics.median(samples)
+                # Mean context over the timed steps: the prompt, then about a token a step.
+                context = statistics.fmean(len(p) for p in timed[:batch]) + cfg.steps / 2
+                rows.append(
+                    {
+                        "batch": batch,
+                        "k": k,
+                        "tokens": batch * (k + 1),
+                        "ms": ms,
+                        "samples": len(samples),
+                        "context": context,
+                        "long_context": at_long,
+                    }
+                )
+                log(
+                    f"B={batch:4d} k={k} context {context:4.0f}: {ms:7.2f} ms/step over "
+                    f"{len(samples)} steps"
+                )
         return rows
     finally:
         engine.shutdown()
 
 
 def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
+    """T, S and D fitted on the steps at short context, then the attention term on the
+    long-context ones against that fit."""
+    short = [r for r in rows if not r.get("long_context")]
+    long = [r for r in rows if r.get("long_context")]
     latency, rms = fit_latency(
-        [r["batch"] for r in rows], [r["k"] for r in rows], [r["ms"] for r in rows]
+        [r["batch"] for r in short], [r["k"] for r in short], [r["ms"] for r in short]
     )
+    if long:
+        latency = fit_attention(
+            latency,
+            *([r[f] for r in long] for f in ("batch", "k", "context", "ms")),
+            reference=statistics.fmean(r["context"] for r in short),
+        )
     return {
         "key": profile_key(cfg.model, cfg.dtype, cfg.draft, cfg.draft_sampling),
         "latency": latency.to_dict(),
@@ -133,7 +166,10 @@ def plot_profile(profile: dict, path: str | Path) -> None:
     n = np.array([r["tokens"] for r in rows], dtype=float)
     target_ms = np.array(
         [
-            r["ms"] - float(latency.step_ms(r["batch"], r["k"]) - latency.target(r["tokens"]))
+            r["ms"]
+            - float(
+                latency.step_ms(r["batch"], r["k"], r.get("context")) - latency.target(r["tokens"])
+            )
             for r in rows
         ]
     )
@@ -160,7 +196,7 @@ def plot_profile(profile: dict, path: str | Path) -> None:
     )
     ax1.legend(fontsize=8)
     for k in sorted({r["k"] for r in rows}):
-        pts = [(r["batch"], r["ms"]) for r in rows if r["k"] == k]
+        pts = [(r["batch"], r["ms"]) for r in rows if r["k"] == k and not r.get("long_context")]
         b = np.array([p[0] for p in pts], dtype=float)
         ax2.scatter(b, [p[1] for p in pts], label=f"k={k}")
         ax2.plot(b, latency.step_ms(b, k), "--", lw=1)
@@ -191,6 +227,7 @@ def run_profile(
     log(
         f"C_peak {lat['c_peak']:.1f} tokens; T(n) = {lat['target']['flat']:.2f} + {lat['target']['slope']:.3f} * "
         f"max(n - {lat['target']['knee']:.0f}, 0) ms; D(B) = {lat['draft']['base']:.2f} + "
-        f"{lat['draft']['per_seq']:.3f} B ms; rms {profile['fit_rms_ms']:.2f} ms"
+        f"{lat['draft']['per_seq']:.3f} B ms; attention {1e6 * lat['attention']:.0f} ns per "
+        f"query token per context token beyond {lat['context']:.0f}; rms {profile['fit_rms_ms']:.2f} ms"
     )
     return profile

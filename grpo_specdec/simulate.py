@@ -2,8 +2,8 @@
 
 All requests start together (one prefill step over every prompt), then every step decodes
 the B requests still running with the k their policy picks for B, and a request leaves once
-it has its output length. A step costs the controller's own `LatencyModel.step_ms(B, k)`
-plus the two costs the profiler does not time (`UnprofiledCosts`); it advances each request
+it has its output length. A step costs the controller's own `LatencyModel.step_ms(B, k,
+context)` plus the costs the profile does not time (`UnprofiledCosts`); it advances each request
 by E[tokens | k] from the conditional acceptance (`expected_tokens`): a deterministic
 expectation, so one replay gives the mean, not the spread of a run. The policies are the
 controller's (`FixedPolicy`, `PaperPolicy`, `GoodputPolicy`) or vLLM's dense batch-size ->
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +35,12 @@ TAIL_AFTER = 0.9  # the tail phase starts once this share of requests has finish
 
 @dataclass(frozen=True)
 class UnprofiledCosts:
-    """Step costs the latency profile leaves out: `grpo-specdec profile` times greedy
-    decode steps at short context. Sampling at T > 0 costs per verified token (softmax over
-    the vocabulary, rejection sampling); attention costs per query token per token of
-    context beyond the context the profile was measured at; a prefill step costs per
-    prompt token (None: the profile's T(n), which extrapolates decode steps of at most
-    B (k_max + 1) tokens to the whole batch's prompts)."""
+    """Step costs a latency profile leaves out. Sampling at T > 0 costs per verified token
+    (softmax over the vocabulary, rejection sampling) where the profile timed greedy steps;
+    attention costs per query token per token of context beyond the context the profile
+    was measured at, where the profile has no attention term of its own (format < 4); a
+    prefill step costs per prompt token (None: the profile's T(n), which extrapolates
+    decode steps of at most B (k_max + 1) tokens to the whole batch's prompts)."""
 
     sampling_ms_per_token: float = 0.0
     attention_ms_per_kv_token: float = 0.0
@@ -110,7 +110,9 @@ def replay(
     positions < i accepted), one per position up to the policy's largest k.
     `draft_pass_at_k0`: steps with k = 0 still run one draft pass, as vLLM 0.32 ships."""
     tokens_at = expected_tokens(np.asarray(conditional, dtype=float))
-    choose = policy.__getitem__ if isinstance(policy, list) else policy.choose
+    choose = (lambda b, _: policy[b]) if isinstance(policy, list) else policy.choose
+    if latency.attention:  # the profile timed attention itself
+        unprofiled = replace(unprofiled, attention_ms_per_kv_token=0.0)
     remaining = workload.output_lengths - 1.0  # the prefill step makes every first token
     contexts = workload.prompt_lengths + 1.0
     t_ms = unprofiled.prefill_ms(latency, float(workload.prompt_lengths.sum()))
@@ -120,13 +122,14 @@ def replay(
     running = np.flatnonzero(remaining > 0)
     while len(running):
         b = len(running)
-        k = int(choose(b))
+        context = float(contexts[running].mean())
+        k = int(choose(b, context))
         if k >= len(tokens_at):
             raise ValueError(
                 f"policy chose k={k} for B={b}; acceptance covers k <= {len(tokens_at) - 1}"
             )
         steps.append((t_ms / 1000, b, k))
-        t_ms += float(latency.step_ms(b, k)) + unprofiled.step_ms(
+        t_ms += float(latency.step_ms(b, k, context)) + unprofiled.step_ms(
             contexts[running], k, workload.temperature
         )
         if k == 0 and draft_pass_at_k0:

@@ -109,6 +109,37 @@ def test_policies_compared_on_one_engine_learn_into_their_own_estimators(aware_e
     assert second.tried.any()
 
 
+class _Seen:
+    """A policy that drafts nothing and keeps what the scheduler asked it."""
+
+    def __init__(self):
+        self.asked = []
+
+    def choose(self, batch_size, context=None):
+        self.asked.append((batch_size, context))
+        return 0
+
+
+def test_the_policy_sees_the_running_requests_mean_context(aware_engine, questions):
+    """The context the attention term prices (LatencyModel.step_ms) is what vLLM's running
+    requests hold: their prompt and output tokens, averaged, each step."""
+    scheduler = aware_engine.scheduler()
+    started_with = scheduler.policy, scheduler.acceptance
+    prompts = [aware_engine.encode(q) for q in questions[:2]]
+    seen = _Seen()
+    try:
+        scheduler.set_policy(seen)
+        aware_engine.generate(prompts, SamplingSettings(max_tokens=6, ignore_eos=True))
+    finally:
+        scheduler.set_policy(*started_with)
+    prompt_mean = sum(map(len, prompts)) / 2
+    # Step i (i = 0: prefill) schedules both requests, each holding its prompt and i tokens
+    # then (vLLM reads the table once the step's tokens are scheduled).
+    assert [b for b, _ in seen.asked] == [2] * 6
+    assert [c - prompt_mean for _, c in seen.asked] == pytest.approx(range(6), abs=1)
+    assert all(b > a for (_, a), (_, b) in zip(seen.asked, seen.asked[1:]))
+
+
 def test_steps_since_a_mark_stay_right_once_the_trace_is_full():
     # The trace keeps the newest records only; a window taken by length would come back
     # empty once it is full, so windows are counted from the total of steps scheduled.

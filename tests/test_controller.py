@@ -17,6 +17,7 @@ from vllm_plugin.controller import (
     PaperPolicy,
     conditional_from_cumulative,
     expected_tokens,
+    fit_attention,
     fit_latency,
 )
 
@@ -181,6 +182,47 @@ def test_the_cost_of_speculating_at_all_keeps_k_zero_where_it_does_not_pay():
         assert k == 0 or gain > 1.0
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    latencies,
+    acceptances,
+    st.floats(1e-4, 0.05),
+    st.lists(st.integers(0, 2048), min_size=2, max_size=2, unique=True),
+)
+def test_k_does_not_rise_with_context_when_attention_costs(latency, p, attention, contexts):
+    """Every drafted token is another query token over the whole context, while
+    E[tokens | k] / (k + 1) only falls with k: a longer context never buys a deeper draft."""
+    priced = LatencyModel(latency.target, latency.draft, attention=attention, context=128.0)
+    policy = GoodputPolicy(priced, FrozenAcceptance(p), MAX_BATCH)
+    short, long = sorted(contexts)
+    assert (policy.table(long) <= policy.table(short)).all()
+
+
+def test_long_context_turns_drafting_down_where_the_profile_alone_would_draft():
+    latency = LatencyModel(HingeLatency(10.0, 0.5, 8.0), LinearCost(0.3, 0.05), attention=0.004)
+    policy = GoodputPolicy(latency, FrozenAcceptance([0.5] * K_MAX), MAX_BATCH)
+    assert policy.choose(2) == policy.choose(2, latency.context) > 0
+    assert policy.choose(2, 4096) < policy.choose(2)
+    # Without an attention term the context changes nothing.
+    flat = GoodputPolicy(LatencyModel(latency.target, latency.draft), policy.estimator, MAX_BATCH)
+    assert flat.choose(2, 4096) == flat.choose(2) == policy.choose(2)
+
+
+def test_fit_attention_recovers_a_known_cost_per_context_token():
+    latency = LatencyModel(HingeLatency(10.0, 0.5, 8.0), LinearCost(0.3, 0.05))
+    rows = [(b, k, 600.0) for b in (1, 4, 16) for k in (0, 3)]
+    truth = 0.002  # ms per query token per context token
+    ms = [float(latency.step_ms(b, k)) + truth * b * (k + 1) * (c - 100.0) for b, k, c in rows]
+    fitted = fit_attention(latency, *zip(*rows, strict=True), ms, reference=100.0)
+    assert fitted.attention == pytest.approx(truth)
+    assert fitted.context == 100.0 and fitted.target == latency.target
+    assert fitted.step_ms(4, 3, 600.0) == pytest.approx(ms[rows.index((4, 3, 600.0))])
+    # Steps no dearer at long context: no term, never a negative one.
+    cheaper = [0.95 * float(latency.step_ms(b, k)) for b, k, _ in rows]
+    assert fit_attention(latency, *zip(*rows, strict=True), cheaper, reference=100.0).attention == 0
+    assert LatencyModel.from_dict(fitted.to_dict()) == fitted
+
+
 def test_profiles_written_before_the_speculation_term_still_load():
     old = {
         "target": {"flat": 1.0, "slope": 0.1, "knee": 4.0},
@@ -189,6 +231,7 @@ def test_profiles_written_before_the_speculation_term_still_load():
     latency = LatencyModel.from_dict(old)
     assert latency.speculation == LinearCost(0.0, 0.0)
     assert latency.step_ms(1, 1) == pytest.approx(1.0 + 0.1)
+    assert latency.attention == 0 and latency.step_ms(1, 1, 4096) == latency.step_ms(1, 1)
 
 
 # Steps of SmolLM2-135M with its reduced-vocabulary head on a 2-core CPU, (B, k, ms), as

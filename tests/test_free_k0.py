@@ -25,7 +25,7 @@ class StepCycle:
     def __init__(self):
         self.step = 0
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, context: float | None = None) -> int:
         self.step += 1
         return K_CYCLE[(self.step - 1) % len(K_CYCLE)]
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from grpo_specdec.simulate import (
+    UnprofiledCosts,
     Workload,
     compare,
     lengths_from_trace,
@@ -54,6 +55,23 @@ def test_accepted_drafts_shorten_the_rollout_and_set_the_mal():
     r = replay(LATENCY, [1.0, 1.0], w, FixedPolicy(2))
     assert r.mal == pytest.approx(3.0)
     assert len(r.steps) == 1 + 10  # 30 tokens after prefill, 3 a step
+
+
+def test_a_profiled_attention_term_prices_each_step_at_its_context():
+    attended = LatencyModel(LATENCY.target, LATENCY.draft, LATENCY.speculation, 0.01, 5.0)
+    w = Workload([1, 3, 3, 5], [10, 10, 10, 10])
+    r = replay(attended, [0.5], w, FixedPolicy(0))
+    # After prefill the three running requests have contexts 11 (then 12, ...): mean 11.
+    steps = [(3, 11.0), (3, 12.0), (1, 13.0), (1, 14.0)]
+    expected = attended.target(40) + sum(attended.step_ms(b, 0, c) for b, c in steps)
+    assert r.makespan_s == pytest.approx(expected / 1000)
+    # An unprofiled attention cost is for profiles without the term: not counted twice.
+    extra = UnprofiledCosts(attention_ms_per_kv_token=0.5)
+    assert replay(attended, [0.5], w, FixedPolicy(0), extra).makespan_s == r.makespan_s
+    assert (
+        replay(LATENCY, [0.5], w, FixedPolicy(0), extra).makespan_s
+        > replay(LATENCY, [0.5], w, FixedPolicy(0)).makespan_s
+    )
 
 
 def test_tail_phase_starts_when_nine_in_ten_requests_have_finished():

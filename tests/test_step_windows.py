@@ -19,6 +19,7 @@ class FakeScheduler(ConcurrencyAwareMixin):
         self.step_trace = deque([(0.0, 0, 0, False)] * trace_steps, maxlen=trace_steps)
         self.steps_scheduled = 1000
         self.acceptance = AcceptanceEstimator(4)
+        self.running = []  # vLLM's running requests: none here
         self.set_policy(FixedPolicy(0))
 
 

@@ -2,12 +2,16 @@
 
 Goodput of drafting k tokens at live concurrency B (tokens per millisecond):
 
-    G(B, k) = B * E[tokens per step | k] / (T(B * (k + 1)) + [k > 0] * S(B) + k * D(B))
+    G(B, k) = B * E[tokens per step | k] / step(B, k, c)
+    step(B, k, c) = T(B (k + 1)) + [k > 0] S(B) + k D(B) + a B (k + 1) max(c - c_0, 0)
 
 T(n) is the step latency with n tokens in the target forward (a roofline: flat while
 memory-bound, linear past the knee C_peak), S(B) what a step pays for speculating at all
 (verification by rejection sampling, the draft's metadata; a step with k = 0 pays none
-of it), D(B) the cost of one draft step over B sequences, and
+of it), D(B) the cost of one draft step over B sequences, a what each query token pays
+per token of context it attends to beyond c_0, the context T, S and D were timed at (c:
+the running requests' mean context; late in a rollout, where the tail runs, it is long,
+and a drafted token costs more to verify there), and
 E[tokens | k] = 1 + sum_{i<k} prod_{j<=i} p_j with p_j the measured conditional
 acceptance at draft position j. The goodput policy picks the k with the
 largest G; the paper's rule and a fixed k sit behind the same interface.
@@ -16,7 +20,7 @@ largest G; the paper's rule and a fixed k sit behind the same interface.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -50,11 +54,14 @@ NO_COST = LinearCost(0.0, 0.0)
 
 @dataclass(frozen=True)
 class LatencyModel:
-    """step_ms(B, k) = T(B (k + 1)) + [k > 0] * S(B) + k * D(B)."""
+    """step_ms(B, k, c) = T(B (k + 1)) + [k > 0] S(B) + k D(B)
+    + attention B (k + 1) max(c - context, 0)."""
 
     target: HingeLatency
     draft: LinearCost
     speculation: LinearCost = NO_COST
+    attention: float = 0.0  # ms per query token per context token beyond `context`
+    context: float = 0.0  # mean context (tokens) of the steps T, S and D were fitted on
 
     @property
     def c_peak(self) -> float:
@@ -66,22 +73,35 @@ class LatencyModel:
             return math.inf
         return self.target.knee + self.target.flat / self.target.slope
 
-    def step_ms(self, b, k):
+    def step_ms(self, b, k, context=None):
+        """`context`: the requests' mean context in tokens (None: the profile's own)."""
         b, k = np.asarray(b, dtype=float), np.asarray(k, dtype=float)
-        return self.target(b * (k + 1)) + (k > 0) * self.speculation(b) + k * self.draft(b)
+        ms = self.target(b * (k + 1)) + (k > 0) * self.speculation(b) + k * self.draft(b)
+        if context is None or not self.attention:
+            return ms
+        # Not below the profile's context: T, S and D already price that much.
+        return ms + self.attention * b * (k + 1) * max(float(context) - self.context, 0.0)
 
     def to_dict(self) -> dict:
         return {
             "target": asdict(self.target),
             "draft": asdict(self.draft),
             "speculation": asdict(self.speculation),
+            "attention": self.attention,
+            "context": self.context,
             "c_peak": self.c_peak,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> LatencyModel:
         speculation = LinearCost(**d["speculation"]) if "speculation" in d else NO_COST
-        return cls(HingeLatency(**d["target"]), LinearCost(**d["draft"]), speculation)
+        return cls(
+            HingeLatency(**d["target"]),
+            LinearCost(**d["draft"]),
+            speculation,
+            float(d.get("attention", 0.0)),
+            float(d.get("context", 0.0)),
+        )
 
 
 def _nonnegative_lstsq(features: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -126,6 +146,18 @@ def fit_latency(b, k, ms) -> tuple[LatencyModel, float]:
         LinearCost(s_base, s_per_seq),
     )
     return model, math.sqrt(float(((model.step_ms(b, k) - ms) ** 2).mean()))
+
+
+def fit_attention(latency: LatencyModel, b, k, context, ms, reference: float) -> LatencyModel:
+    """`latency` (fitted on steps at mean context `reference`) with the attention term
+    fitted to steps timed at other contexts: what those steps cost beyond the model, per
+    query token per context token, least squares in relative error, at least 0."""
+    b, k, context, ms = (np.asarray(x, dtype=float) for x in (b, k, context, ms))
+    feature = b * (k + 1) * (context - reference) / ms
+    excess = (ms - latency.step_ms(b, k)) / ms
+    denominator = float((feature**2).sum())
+    attention = max(0.0, float((feature * excess).sum()) / denominator) if denominator else 0.0
+    return replace(latency, attention=attention, context=float(reference))
 
 
 class AcceptanceEstimator:
@@ -197,14 +229,14 @@ def expected_tokens(conditional: np.ndarray) -> np.ndarray:
 
 
 class Policy(Protocol):
-    def choose(self, batch_size: int) -> int: ...
+    def choose(self, batch_size: int, context: float | None = None) -> int: ...
 
 
 class FixedPolicy:
     def __init__(self, k: int):
         self.k = k
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, context: float | None = None) -> int:
         return self.k
 
 
@@ -225,7 +257,7 @@ class PaperPolicy:
         self.c_peak, self.k_max, self.alpha = c_peak, k_max, alpha
         self.l_min, self.l_max, self.n_max = l_min, l_max, n_max
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, context: float | None = None) -> int:
         n_verify = min(int(self.c_peak // max(batch_size, 1)), self.n_max)
         if n_verify <= 1:
             return 0
@@ -235,23 +267,34 @@ class PaperPolicy:
 
 class GoodputPolicy:
     """argmax_k G(B, k), made non-increasing in B by a running minimum over B (the
-    latency model's knee makes larger batches never reward deeper drafts)."""
+    latency model's knee makes larger batches never reward deeper drafts). The context is
+    priced in steps of CONTEXT_STEP tokens."""
+
+    CONTEXT_STEP = 64
 
     def __init__(self, latency: LatencyModel, estimator: AcceptanceEstimator, max_batch: int):
         self.latency, self.estimator, self.max_batch = latency, estimator, max_batch
         self._b = np.arange(1, max_batch + 1, dtype=float)[:, None]
         self._k = np.arange(estimator.k_max + 1, dtype=float)[None, :]
-        self._step_ms = latency.step_ms(self._b, self._k)  # [B, k+1], fixed per profile
+        self._step_ms: dict[float | None, np.ndarray] = {}  # [B, k+1] per context, per profile
         self._table: np.ndarray | None = None
-        self._version = -1
+        self._key: tuple = ()
 
-    def table(self) -> np.ndarray:
-        """k for batch sizes 1..max_batch under the current acceptance estimates."""
-        if self._version != self.estimator.version or self._table is None:
-            goodput = self._b * self.estimator.expected_tokens()[None, :] / self._step_ms
+    def table(self, context: float | None = None) -> np.ndarray:
+        """k for batch sizes 1..max_batch under the current acceptance estimates, at the
+        requests' mean `context` (None: the profile's own)."""
+        if context is not None and self.latency.attention:
+            context = self.CONTEXT_STEP * round(context / self.CONTEXT_STEP)
+        else:
+            context = None
+        if self._key != (self.estimator.version, context) or self._table is None:
+            step_ms = self._step_ms.get(context)
+            if step_ms is None:
+                step_ms = self._step_ms[context] = self.latency.step_ms(self._b, self._k, context)
+            goodput = self._b * self.estimator.expected_tokens()[None, :] / step_ms
             self._table = np.minimum.accumulate(goodput.argmax(axis=1))
-            self._version = self.estimator.version
+            self._key = (self.estimator.version, context)
         return self._table
 
-    def choose(self, batch_size: int) -> int:
-        return int(self.table()[min(max(batch_size, 1), self.max_batch) - 1])
+    def choose(self, batch_size: int, context: float | None = None) -> int:
+        return int(self.table(context)[min(max(batch_size, 1), self.max_batch) - 1])

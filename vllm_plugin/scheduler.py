@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 import time
 from collections import Counter, deque
 
@@ -76,13 +77,16 @@ def build_policy(
 
 
 class _PolicyLookup:
-    """Stands in for vLLM's dense batch-size -> k table."""
+    """Stands in for vLLM's dense batch-size -> k table; the policy also sees the running
+    requests' mean context (read as vLLM reads the table: once per step, after scheduling)."""
 
-    def __init__(self, policy: Policy):
-        self.policy = policy
+    def __init__(self, policy: Policy, scheduler):
+        self.policy, self.scheduler = policy, scheduler
 
     def __getitem__(self, batch_size: int) -> int:
-        return self.policy.choose(batch_size)
+        running = self.scheduler.running  # vLLM rebinds the list as requests finish
+        context = statistics.fmean(r.num_tokens for r in running) if running else None
+        return self.policy.choose(batch_size, context)
 
 
 def recent(trace: deque, n: int) -> list:
@@ -139,7 +143,7 @@ class ConcurrencyAwareMixin:
         self.policy = policy
         if acceptance is not None:
             self.acceptance = acceptance
-        self.dynamic_sd_lookup = policy if isinstance(policy, list) else _PolicyLookup(policy)
+        self.dynamic_sd_lookup = policy if isinstance(policy, list) else _PolicyLookup(policy, self)
 
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
