@@ -16,7 +16,7 @@ from ray.exceptions import RayTaskError
 
 from grpo_specdec.job.batches import batch_at
 from grpo_specdec.job.checkpoints import Checkpointer
-from grpo_specdec.job.config import RolloutSettings
+from grpo_specdec.job.config import CompareSettings, RolloutSettings
 from grpo_specdec.job.logs import VllmLog
 from grpo_specdec.job.metrics import truncate_records
 from grpo_specdec.job.weight_sync import WeightSync
@@ -292,7 +292,6 @@ def test_an_engine_the_driver_starts_logs_to_the_file_too(tmp_path):
 
 def test_the_tail_comparison_rolls_each_sample_out_alone_within_its_own_budget():
     from grpo_specdec.job.compare import requests_of
-    from grpo_specdec.job.config import CompareSettings
     from grpo_specdec.tasks.datasets import ArithmeticSource
 
     rollout = RolloutSettings(prompts_per_iteration=3, group_size=4, max_tokens=200)
@@ -331,8 +330,12 @@ def test_a_comparison_the_job_cannot_run_is_refused_by_name(overrides, field):
 
     from grpo_specdec.job.config import TrainConfig
 
+    config = {"model": {"policy": "tiny"}, **overrides}
     with pytest.raises(ValidationError, match=field):
-        TrainConfig.model_validate({"model": {"policy": "tiny"}, **overrides})
+        TrainConfig.model_validate({**config, "compare_at_end": True})
+    # Settings of a comparison the job does not run stand (configs/smollm2_arith.yaml has
+    # compare.fixed_k: a run of it with rollout.speculation=off must start).
+    assert TrainConfig.model_validate(config).compare == CompareSettings(**overrides["compare"])
 
 
 def test_the_job_profiles_batch_sizes_up_to_what_its_engine_holds():

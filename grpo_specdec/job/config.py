@@ -191,6 +191,8 @@ class TrainConfig(StrictModel):
     @model_validator(mode="after")
     def _comparable(self) -> TrainConfig:
         c, r = self.compare, self.rollout
+        if not self.compare_at_end:  # e.g. the demo's config run without speculation
+            return self
         cap, _ = c.cap_and_median(r.max_tokens)
         if c.budget_median is not None and c.budget_median > cap:
             raise ValueError(f"compare.budget_median={c.budget_median} exceeds the cap {cap}")
