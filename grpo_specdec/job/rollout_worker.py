@@ -72,8 +72,9 @@ class RolloutWorker:
         max_tokens: list[int] | list[list[int]] | None = None,
         fixed_k: int | None = None,
     ) -> Rollout:
-        """`max_tokens`: one budget per prompt, or per sample (`Engine.generate`); `fixed_k`: draft exactly k tokens every step
-        of this rollout (the scheduler's policy and acceptance estimator are put back after)."""
+        """`max_tokens`: one budget per prompt, or per sample (`Engine.generate`); `fixed_k`:
+        draft exactly k tokens every step of this rollout (the scheduler's policy and
+        acceptance estimator are put back after)."""
         scheduler = self._aware_scheduler()
         mark = scheduler.steps_scheduled if scheduler is not None else 0
         before = self.engine.group_draft_stats() if self.engine.cfg.speculative else None
