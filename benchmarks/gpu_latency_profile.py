@@ -9,8 +9,8 @@ T(N): one target forward over N sequences decoding one token each, every one att
 static KV cache of `context` tokens, in bf16 and replayed from a CUDA graph (eager where no
 GPU). The draft: fc(concat(embedding, hidden)) -> one decoder layer -> the target's lm_head
 over N sequences. The hinge T(N) is fitted at the first context with the controller's
-`fit_latency`; how T grows with context is stored as the simulator's `unprofiled` attention
-cost. About 2 minutes per model on an H200.
+`fit_latency`; how T grows with context is the latency model's attention term, which the
+controller and the simulator both price. About 2 minutes per model on an H200.
 """
 
 from __future__ import annotations
@@ -162,7 +162,6 @@ def build_profile(name: str, rows: list[dict], graphed: bool, device) -> dict:
         if len(n) > 1
         else (0.0, at_ref[0]["draft_ms"])
     )
-    latency = LatencyModel(target.target, LinearCost(max(float(base), 0.0), max(float(slope), 0.0)))
     # Attention's cost per query token per context token, from the same N at two contexts.
     by_point = {(r["tokens"], r["context"]): r["target_ms"] for r in rows}
     growth = [
@@ -170,6 +169,12 @@ def build_profile(name: str, rows: list[dict], graphed: bool, device) -> dict:
         for (t, c) in by_point
         if c > reference and (t, reference) in by_point
     ]
+    latency = LatencyModel(
+        target.target,
+        LinearCost(max(float(base), 0.0), max(float(slope), 0.0)),
+        attention=max(statistics.median(growth), 0.0) if growth else 0.0,
+        context=float(reference),
+    )
     return {
         "source": "measured by benchmarks/gpu_latency_profile.py (random weights, "
         f"{'CUDA graphs' if graphed else 'eager'}, bf16)",
@@ -177,10 +182,6 @@ def build_profile(name: str, rows: list[dict], graphed: bool, device) -> dict:
         "hardware": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "latency": latency.to_dict(),
         "fit_rms_ms": rms,
-        "unprofiled": {
-            "attention_ms_per_kv_token": max(statistics.median(growth), 0.0) if growth else 0.0,
-            "reference_context": float(reference),
-        },
         "measurements": rows,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
