@@ -97,16 +97,18 @@ def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200, prompts: in
     return str(out)
 
 
-def smollm2_profile(target: str, draft: str, k_max: int, draft_sampling: str = "greedy") -> Path:
+def smollm2_profile(
+    target: str, draft: str, k_max: int, draft_sampling: str = "greedy", fresh: bool = False
+) -> Path:
     """The latency profile of SmolLM2 with this head (its draft step cost is the head's),
     drafting greedily or sampling (timed at T = 1). A profile measured up to a larger k
-    serves too: the fitted model does not depend on it."""
+    serves too: the fitted model does not depend on it. `fresh`: measure it again now."""
     sampled = "" if draft_sampling == "greedy" else f"-{draft_sampling}"
     name = f"{Path(draft).name}{sampled}-f{PROFILE_FORMAT}"
     profiles = default_dir().parent / "heads"  # hardware-specific: never in the package
     measured = sorted(profiles.glob(f"profile-{name}-k*.json"))
     covering = [p for p in measured if int(p.stem.rsplit("-k", 1)[1]) >= k_max]
-    if covering:
+    if covering and not fresh:
         return covering[0]
     out = profiles / f"profile-{name}-k{k_max}.json"
     ASSETS.mkdir(parents=True, exist_ok=True)

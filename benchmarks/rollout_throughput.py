@@ -104,6 +104,7 @@ def run(engine: Engine, prompts: list[str], sampling: SamplingSettings, per_requ
         "wall_s": res.wall_s,
         "tokens": res.num_generated_tokens,
         "mean_acceptance_length": res.spec["mean_acceptance_length"],
+        "per_position_acceptance": res.spec.get("per_position_acceptance", []),
         "scheduled_s": res.scheduled_s,
         "finished_s": res.finished_s,
         "lengths": [[len(s.token_ids) for s in group] for group in res.outputs],
@@ -293,6 +294,12 @@ def main() -> None:
         "docs/assets",
     )
     ap.add_argument("--note", default="", help="a paragraph on what this run is for")
+    ap.add_argument(
+        "--fresh-profile",
+        action="store_true",
+        help="measure the latency profiles now, not from the store: the run and its profile "
+        "see the machine in the same state (benchmarks/simulator_validation.py)",
+    )
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     temperatures = [float(t) for t in args.temperatures.split(",") if t]
@@ -304,11 +311,16 @@ def main() -> None:
 
     target = smollm2()
     # Every head of the default's architecture and vocabulary size costs the same.
-    profile_path = smollm2_profile(target, smollm2_head(target), args.k_max)
-    latency = LatencyModel.from_dict(load_json(profile_path)["latency"])
+    fresh = args.fresh_profile
+    profile_path = smollm2_profile(target, smollm2_head(target), args.k_max, fresh=fresh)
+    profiles = {"greedy": load_json(profile_path)}
+    latency = LatencyModel.from_dict(profiles["greedy"]["latency"])
     if args.sampled:
-        sampled_profile = smollm2_profile(target, smollm2_head(target), args.k_max, "probabilistic")
-        sampled_latency = LatencyModel.from_dict(load_json(sampled_profile)["latency"])
+        sampled_profile = smollm2_profile(
+            target, smollm2_head(target), args.k_max, "probabilistic", fresh=fresh
+        )
+        profiles["probabilistic"] = load_json(sampled_profile)
+        sampled_latency = LatencyModel.from_dict(profiles["probabilistic"]["latency"])
     models = {"base": (target, args.head or smollm2_head(target))}
     if any(SHAPES[s][0] == "trained" for s in grpo_shapes):
         models["trained"] = trained_policy(args.trained_iterations, args.trained_lr)
@@ -444,7 +456,17 @@ def main() -> None:
             "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
             "wall_s": statistics.median(r["wall_s"] for r in runs),
             "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
+            # Each repeat, for the simulator's validation: its wall time, and (where lengths
+            # vary) every request's output length; the conditional acceptance per position.
+            "wall_s_runs": [r["wall_s"] for r in runs],
         }
+        if any(len({n for group in r["lengths"] for n in group}) > 1 for r in runs):
+            out["lengths_runs"] = [[n for group in r["lengths"] for n in group] for r in runs]
+        drafted = [r["per_position_acceptance"] for r in runs if r["per_position_acceptance"]]
+        if drafted and runs[-1]["mean_acceptance_length"] > 1.0:
+            out["conditional_acceptance"] = np.mean(
+                [conditional_from_cumulative(c) for c in drafted], axis=0
+            ).tolist()
         if "group" in runs[-1]:
             for source in runs[-1]["group"]:
                 for what in ("draft_tokens", "accepted_tokens"):
@@ -466,6 +488,12 @@ def main() -> None:
         "k_max": args.k_max,
         "c_peak": latency.c_peak,
         "latency": latency.to_dict(),
+        # Each profile the run priced on (greedy, and sampled drafting with --sampled): its
+        # latency model, the costs it timed for the simulator, when it was measured.
+        "profiles": {
+            name: {f: p.get(f) for f in ("latency", "unprofiled", "created")}
+            for name, p in profiles.items()
+        },
         "static_tables": tables,
         "calibration_conditional_acceptance": calibration,
         "trained_policy": models.get("trained"),

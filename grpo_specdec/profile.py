@@ -7,6 +7,9 @@ costs). The fit gives T(n), the step latency with n = B * (k + 1) tokens in the 
 forward, whose knee is C_peak, and D(B), the cost of one draft step over B sequences.
 A few of the (B, k) are timed again at a long context, for the attention term: what each
 query token pays per token of context it attends to (the tail of a rollout runs there).
+Two costs the controller does not price are timed for the rollout simulator
+(`grpo_specdec.simulate.UnprofiledCosts`): each run's prefill step, per prompt token, and,
+where the profile drafts greedily, a few steps again sampling at T = 1, per verified token.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ class ProfileConfig(StrictModel):
 
 
 LONG_CONTEXT = 512  # prompt tokens of the long-context steps (at most half the context)
-LONG_BATCHES = (1, 4, 16)  # those of the profiled batch sizes timed there, at k = 0 and k_max
+# Those of the profiled batch sizes timed at the long context and, for a greedy profile,
+# sampling at T = 1: at k = 0 and k_max.
+LONG_BATCHES = (1, 4, 16)
 
 
 def _time_steps(
@@ -53,10 +58,13 @@ def _time_steps(
     k: int,
     steps: int,
     temperature: float = 0.0,
-) -> list[float]:
-    """Milliseconds of each decode-only step with exactly `batch` running and `k` drafted."""
+) -> tuple[list[float], float | None]:
+    """Milliseconds of each decode-only step with exactly `batch` running and `k` drafted,
+    and of the prefill: from the run's first step to its first decode-only one (None if
+    the trace no longer holds the first)."""
     scheduler = engine.scheduler()
     scheduler.set_policy(FixedPolicy(k))
+    engine.llm.reset_prefix_cache()  # every run prefills its prompts in full
     mark = scheduler.steps_scheduled
     # Enough tokens for `steps` decode steps even if every draft is accepted, plus a few
     # for prefill and the first step, whose draft length differs.
@@ -67,11 +75,15 @@ def _time_steps(
         ),
     )
     trace = scheduler.steps_since(mark)
-    return [
+    decode = [
         1000 * (after[0] - before[0])
         for before, after in zip(trace, trace[1:])
         if before[1] == batch and before[2] == k and before[3]
     ][:steps]
+    first_decode = next((r[0] for r in trace if r[3]), None)
+    whole = len(trace) == scheduler.steps_scheduled - mark
+    prefill = 1000 * (first_decode - trace[0][0]) if whole and first_decode is not None else None
+    return decode, prefill
 
 
 def measure(cfg: ProfileConfig, log=print) -> list[dict]:
@@ -101,16 +113,33 @@ def measure(cfg: ProfileConfig, log=print) -> list[dict]:
         temperature = 0.0 if cfg.draft_sampling == "greedy" else 1.0
         # warm up every code path
         _time_steps(engine, prompts, max_batch, cfg.k_max, 4, temperature)
-        grid = [(b, k, False) for b in cfg.batch_sizes for k in range(cfg.k_max + 1)]
-        grid += [(b, k, True) for b in cfg.batch_sizes if b in LONG_BATCHES for k in (0, cfg.k_max)]
+        if temperature == 0.0:
+            _time_steps(engine, prompts, max_batch, cfg.k_max, 4, 1.0)
+        ends = (0, cfg.k_max)
+        grid = [(b, k, False, temperature) for b in cfg.batch_sizes for k in range(cfg.k_max + 1)]
+        grid += [
+            (b, k, True, temperature) for b in cfg.batch_sizes if b in LONG_BATCHES for k in ends
+        ]
+        if temperature == 0.0:
+            grid += [(b, k, False, 1.0) for b in cfg.batch_sizes if b in LONG_BATCHES for k in ends]
         rows = []
-        for batch, k, at_long in grid:
+        for batch, k, at_long, temp in grid:
             timed = long_prompts if at_long else prompts
-            samples = _time_steps(engine, timed, batch, k, cfg.steps, temperature)
+            samples, prefill_ms = _time_steps(engine, timed, batch, k, cfg.steps, temp)
+            prompt_tokens = sum(len(p) for p in timed[:batch])
+            if k == 0 and not at_long and temp == temperature and prefill_ms is not None:
+                rows.append(
+                    {
+                        "prefill": True,
+                        "batch": batch,
+                        "prompt_tokens": prompt_tokens,
+                        "ms": prefill_ms,
+                    }
+                )
             if samples:
                 ms = statistics.median(samples)
                 # Mean context over the timed steps: the prompt, then about a token a step.
-                context = statistics.fmean(len(p) for p in timed[:batch]) + cfg.steps / 2
+                context = prompt_tokens / batch + cfg.steps / 2
                 rows.append(
                     {
                         "batch": batch,
@@ -120,11 +149,12 @@ def measure(cfg: ProfileConfig, log=print) -> list[dict]:
                         "samples": len(samples),
                         "context": context,
                         "long_context": at_long,
+                        "temperature": temp,
                     }
                 )
                 log(
-                    f"B={batch:4d} k={k} context {context:4.0f}: {ms:7.2f} ms/step over "
-                    f"{len(samples)} steps"
+                    f"B={batch:4d} k={k} context {context:4.0f} T={temp:g}: {ms:7.2f} ms/step "
+                    f"over {len(samples)} steps"
                 )
         return rows
     finally:
@@ -133,9 +163,13 @@ def measure(cfg: ProfileConfig, log=print) -> list[dict]:
 
 def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
     """T, S and D fitted on the steps at short context, then the attention term on the
-    long-context ones against that fit."""
-    short = [r for r in rows if not r.get("long_context")]
-    long = [r for r in rows if r.get("long_context")]
+    long-context ones against that fit; the prefill and T = 1 sampling costs the
+    simulator adds (`unprofiled`), where they were timed."""
+    temperature = 0.0 if cfg.draft_sampling == "greedy" else 1.0
+    steps = [r for r in rows if not r.get("prefill")]
+    own = [r for r in steps if r.get("temperature", temperature) == temperature]
+    short = [r for r in own if not r.get("long_context")]
+    long = [r for r in own if r.get("long_context")]
     latency, rms = fit_latency(
         [r["batch"] for r in short], [r["k"] for r in short], [r["ms"] for r in short]
     )
@@ -145,13 +179,34 @@ def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
             *([r[f] for r in long] for f in ("batch", "k", "context", "ms")),
             reference=statistics.fmean(r["context"] for r in short),
         )
+    sampled = [r for r in steps if r.get("temperature", temperature) != temperature]
+    prefills = [r for r in rows if r.get("prefill")]
+    unprofiled = {}
+    if sampled:
+        excess = [
+            r["ms"] - float(latency.step_ms(r["batch"], r["k"], r["context"])) for r in sampled
+        ]
+        unprofiled["sampling_ms_per_token"] = max(
+            0.0, _slope([r["tokens"] for r in sampled], excess, [r["ms"] for r in sampled])
+        )
+    if prefills:
+        ms = [r["ms"] for r in prefills]
+        unprofiled["prefill_ms_per_token"] = _slope([r["prompt_tokens"] for r in prefills], ms, ms)
     return {
         "key": profile_key(cfg.model, cfg.dtype, cfg.draft, cfg.draft_sampling),
         "latency": latency.to_dict(),
+        "unprofiled": unprofiled,
         "fit_rms_ms": rms,
         "measurements": rows,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _slope(x, y, scale) -> float:
+    """The a of y = a x, least squares relative to `scale` (each step's time): a B = 1 step
+    weighs as much as a B = 64 one."""
+    x, y, scale = (np.asarray(v, dtype=float) for v in (x, y, scale))
+    return float((x * y / scale**2).sum() / ((x / scale) ** 2).sum())
 
 
 def plot_profile(profile: dict, path: str | Path) -> None:
@@ -161,7 +216,12 @@ def plot_profile(profile: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     latency = LatencyModel.from_dict(profile["latency"])
-    rows = profile["measurements"]
+    temperature = 0.0 if profile["key"].get("draft_sampling", "greedy") == "greedy" else 1.0
+    rows = [  # the steps the latency model is fitted on
+        r
+        for r in profile["measurements"]
+        if not r.get("prefill") and r.get("temperature", temperature) == temperature
+    ]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     n = np.array([r["tokens"] for r in rows], dtype=float)
     target_ms = np.array(
@@ -230,4 +290,17 @@ def run_profile(
         f"{lat['draft']['per_seq']:.3f} B ms; attention {1e6 * lat['attention']:.0f} ns per "
         f"query token per context token beyond {lat['context']:.0f}; rms {profile['fit_rms_ms']:.2f} ms"
     )
+    extra = profile["unprofiled"]
+    if extra:
+        log(
+            "for the simulator: "
+            + "; ".join(
+                f"{what} {1000 * extra[key]:.0f} µs per {unit}"
+                for key, what, unit in (
+                    ("prefill_ms_per_token", "prefill", "prompt token"),
+                    ("sampling_ms_per_token", "sampling at T = 1", "verified token"),
+                )
+                if key in extra
+            )
+        )
     return profile

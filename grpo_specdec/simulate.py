@@ -35,12 +35,14 @@ TAIL_AFTER = 0.9  # the tail phase starts once this share of requests has finish
 
 @dataclass(frozen=True)
 class UnprofiledCosts:
-    """Step costs a latency profile leaves out. Sampling at T > 0 costs per verified token
-    (softmax over the vocabulary, rejection sampling) where the profile timed greedy steps;
-    attention costs per query token per token of context beyond the context the profile
-    was measured at, where the profile has no attention term of its own (format < 4); a
-    prefill step costs per prompt token (None: the profile's T(n), which extrapolates
-    decode steps of at most B (k_max + 1) tokens to the whole batch's prompts)."""
+    """Step costs the latency model leaves out (`grpo-specdec profile` times the first and
+    the last in a profile's `unprofiled`, from format 5). Sampling at T > 0 costs per
+    verified token (softmax over the vocabulary, rejection sampling) where the profile
+    timed greedy steps; attention costs per query token per token of context beyond the
+    context the profile was measured at, where the latency model has no attention term of
+    its own (format < 4); a prefill step costs per prompt token (None: the profile's T(n),
+    which extrapolates decode steps of at most B (k_max + 1) tokens to the whole batch's
+    prompts)."""
 
     sampling_ms_per_token: float = 0.0
     attention_ms_per_kv_token: float = 0.0

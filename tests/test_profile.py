@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from grpo_specdec import profile
 from grpo_specdec.cli import build_parser
 from grpo_specdec.engine import Engine
+from grpo_specdec.simulate import load_profile
 from tests.conftest import run_cli, tiny_engine_config
 
 
@@ -53,7 +54,9 @@ def test_scheduler_finds_the_profile_saved_for_dtype_auto(
         engine.shutdown()
 
 
-def test_profile_times_a_long_context_and_fits_its_attention_term(tiny_target, tiny_draft):
+def test_profile_times_a_long_context_and_fits_its_attention_term(
+    tiny_target, tiny_draft, tmp_path
+):
     cfg = profile.ProfileConfig(
         model=tiny_target,
         draft=tiny_draft,
@@ -64,14 +67,31 @@ def test_profile_times_a_long_context_and_fits_its_attention_term(tiny_target, t
         enforce_eager=True,
     )
     rows = profile.measure(cfg, log=lambda msg: None)
-    short = [r for r in rows if not r["long_context"]]
-    long = [r for r in rows if r["long_context"]]
+    prefills = [r for r in rows if r.get("prefill")]
+    steps = [r for r in rows if not r.get("prefill")]
+    greedy = [r for r in steps if r["temperature"] == 0.0]
+    short = [r for r in greedy if not r["long_context"]]
+    long = [r for r in greedy if r["long_context"]]
+    sampled = [r for r in steps if r["temperature"] == 1.0]
     assert {(r["batch"], r["k"]) for r in short} == {(b, k) for b in (1, 2, 4) for k in (0, 1)}
     assert {(r["batch"], r["k"]) for r in long} == {(1, 0), (1, 1), (4, 0), (4, 1)}
+    # A greedy profile times some steps again sampling at T = 1, and every batch's prefill.
+    assert {(r["batch"], r["k"]) for r in sampled} == {(1, 0), (1, 1), (4, 0), (4, 1)}
+    assert all(not r["long_context"] for r in sampled)
+    assert sorted(r["batch"] for r in prefills) == [1, 2, 4]
+    assert all(r["ms"] > 0 for r in prefills)
+    assert prefills[-1]["prompt_tokens"] > prefills[0]["prompt_tokens"]
     # The long prompts fill half the context (128 of 256 tokens): far beyond the short ones.
     assert min(r["context"] for r in long) == 128 + cfg.steps / 2
     assert max(r["context"] for r in short) < 100
     built = profile.build_profile(cfg, rows)
     latency = built["latency"]
     assert latency["attention"] >= 0
+    assert built["unprofiled"]["prefill_ms_per_token"] > 0
+    assert built["unprofiled"]["sampling_ms_per_token"] >= 0
+    # The simulator reads them from the profile file.
+    out = tmp_path / "profile.json"
+    out.write_text(json.dumps(built))
+    _, unprofiled = load_profile(out)
+    assert unprofiled.prefill_ms_per_token == built["unprofiled"]["prefill_ms_per_token"]
     assert latency["context"] == pytest.approx(sum(r["context"] for r in short) / len(short))

@@ -58,8 +58,13 @@ class FakeEngine:
 
 
 def test_profile_times_the_steps_of_its_run_in_a_full_trace():
-    ms = _time_steps(FakeEngine(), ["q"] * 3, batch=3, k=2, steps=16)
+    engine = FakeEngine()
+    ms, prefill_ms = _time_steps(engine, ["q"] * 3, batch=3, k=2, steps=16)
     assert len(ms) == 4 and all(abs(m - 2.0) < 1e-6 for m in ms)
+    assert prefill_ms == 0.0  # its first step already decodes: no prefill step
+    assert engine.prefix_cache_resets == 1  # the next run prefills in full again
+    engine.sched.step_trace = deque(maxlen=3)  # a trace too short to hold the run's start
+    assert _time_steps(engine, ["q"] * 3, batch=3, k=2, steps=16)[1] is None
 
 
 def test_benchmark_configurations_keep_their_own_state():

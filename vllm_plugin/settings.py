@@ -85,8 +85,9 @@ def hardware_name() -> str:
 
 # Bumped when what a profile measures or how it is fitted changes: 2 = steps with k = 0
 # skip the draft pass (patches/free_k0_v0_32.py) and the fit prices speculating at all;
-# 3 = the fit is in relative error; 4 = steps at a long context time the attention term.
-PROFILE_FORMAT = 4
+# 3 = the fit is in relative error; 4 = steps at a long context time the attention term;
+# 5 = prefill and T = 1 sampling are timed for the simulator.
+PROFILE_FORMAT = 5
 
 
 def profile_key(model: str, dtype, draft: str | None, draft_sampling: str = "greedy") -> dict:
