@@ -7,6 +7,7 @@ import json
 import random
 import tracemalloc
 from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -112,6 +113,16 @@ def test_group_tokens_are_drafted_while_verifying_them_is_free():
 def test_where_every_verified_token_costs_a_full_token_none_pays():
     drafter = _drafter(STEEP)
     assert drafter.propose(_rows(drafter, 4, []), [[]] * 4).drafts == [[]] * 4
+
+
+def test_at_a_long_context_the_same_group_tokens_stop_paying():
+    # Each verified token attends to its context: 1 ms per context token beyond 8.
+    attending = replace(FLAT, attention=1.0, context=8.0)
+    drafter = _drafter(attending)
+    assert drafter.propose(_rows(drafter, 4, [2, 3]), [[]] * 4).drafts == [[10, 11, 12, 13]] * 4
+    drafter = _drafter(attending)
+    long = [5] * 40 + [2, 3]  # the same match, 45 tokens of context each
+    assert drafter.propose(_rows(drafter, 4, long), [[]] * 4).drafts == [[]] * 4
 
 
 def test_a_request_takes_the_source_with_more_expected_tokens():

@@ -77,10 +77,18 @@ class LatencyModel:
         """`context`: the requests' mean context in tokens (None: the profile's own)."""
         b, k = np.asarray(b, dtype=float), np.asarray(k, dtype=float)
         ms = self.target(b * (k + 1)) + (k > 0) * self.speculation(b) + k * self.draft(b)
+        return ms + self.attention_ms(b * (k + 1), context)
+
+    def attention_ms(self, query_tokens, context=None):
+        """What `query_tokens` pay to attend to a mean `context` beyond the profile's
+        (None: the profile's own, which T, S and D already price)."""
         if context is None or not self.attention:
-            return ms
-        # Not below the profile's context: T, S and D already price that much.
-        return ms + self.attention * b * (k + 1) * max(float(context) - self.context, 0.0)
+            return 0.0 * np.asarray(query_tokens, dtype=float)
+        return (
+            self.attention
+            * np.asarray(query_tokens, dtype=float)
+            * max(float(context) - self.context, 0.0)
+        )
 
     def to_dict(self) -> dict:
         return {

@@ -202,12 +202,16 @@ class GroupDrafter:
         engine drafter's tokens per row (all of one length k, or empty)."""
         k_model = max((len(d) for d in model_drafts), default=0)
         batch = len(rows)
+        # Verified tokens are priced at the batch's mean context, as the controller prices k.
+        mean_context = sum(len(p) + len(o) for _, p, o in rows) / batch if rows else None
         self.calibration.step()
         self.model_acceptance.step()
         model_expected = float(self.model_acceptance.expected_tokens()[k_model]) - 1.0
         # No group token whose chance is below what one more verified token costs can pay;
         # the index stops its drafts there (raw confidence over-states the chance).
-        floor = max(self.min_confidence, self._marginal_price(batch, k_model, model_expected))
+        floor = max(
+            self.min_confidence, self._marginal_price(batch, k_model, model_expected, mean_context)
+        )
         group_drafts = []
         for req_id, prompt, output in rows:
             t = self._follow(req_id, prompt, output)
@@ -235,6 +239,7 @@ class GroupDrafter:
             self.latency.target(tokens)
             + speculating * float(self.latency.speculation(batch))
             + k_model * float(self.latency.draft(batch))
+            + self.latency.attention_ms(tokens, mean_context)
         )
         keep = int(np.argmax((base_expected + gain) / step_ms))
         length = [0] * batch
@@ -255,12 +260,18 @@ class GroupDrafter:
                 self.tracked[req_id].pending = PendingDraft(source, len(draft), len(output), keys)
         return out
 
-    def _marginal_price(self, batch: int, k_model: int, model_expected: float) -> float:
+    def _marginal_price(
+        self, batch: int, k_model: int, model_expected: float, context: float | None
+    ) -> float:
         """The chance of acceptance at which one more verified token leaves the step's
         goodput unchanged, with every request on the model draft."""
         tokens = batch * (1 + k_model)
-        step_ms = float(self.latency.step_ms(batch, k_model))
-        extra_ms = float(self.latency.target(tokens + 1) - self.latency.target(tokens))
+        step_ms = float(self.latency.step_ms(batch, k_model, context))
+        extra_ms = float(
+            self.latency.target(tokens + 1)
+            - self.latency.target(tokens)
+            + self.latency.attention_ms(1, context)
+        )
         return batch * (1 + model_expected) * extra_ms / step_ms
 
     def snapshot(self) -> dict:
