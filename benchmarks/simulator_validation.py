@@ -3,12 +3,16 @@ benchmarks/rollout_throughput.py: predicted vs measured wall time, one row each.
 
     python benchmarks/simulator_validation.py      # rewrites docs/benchmarks/simulator.md
 
-Each run's prediction uses that run's own latency profile (`latency`), its calibration
-acceptance (`calibration_conditional_acceptance`, measured once at k_max on the policy's
-GRPO rollout) and the configuration's own policy; the GRPO shapes' output lengths come
-from the run's `ours` trace. A second prediction swaps in the acceptance that reproduces the
-configuration's measured mean acceptance length. Both add the two costs the profile leaves
-out (`UnprofiledCosts`), fitted once, on one trace, and stated in the report.
+Runs that carry their own profiles (profile format >= 5, `profiles` in the run's JSON, e.g.
+`rollout_throughput.py --fresh-profile`) are predicted from what a simulator user has: the
+profile of the configuration's drafting (greedy or sampled) with the prefill and sampling
+costs it timed, the acceptance per position the engine measured on that workload at fixed
+k = k_max with the same drafting, and each repeat's output lengths; nothing is fitted.
+
+Earlier runs (their profiles lack those costs) are predicted as before: the run's latency
+model, its calibration acceptance (measured once at k_max on the policy's GRPO rollout) or
+the one that reproduces the configuration's mean acceptance length, and the costs the
+profile left out, fitted once on one trace and stated in the report.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
 from benchmarks.common import ASSETS, load_json, write_study
-from benchmarks.rollout_throughput import OUTSIDE_PROMPTS, SHAPES
+from benchmarks.rollout_throughput import OUTSIDE_PROMPTS, SHAPES, TAIL
 from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.simulate import (
     NONE_UNPROFILED,
@@ -91,12 +95,18 @@ def max_batch_of(args: dict) -> int:
 
 
 def engine_slots(args: dict) -> int:
-    """max_num_seqs of the run's engines: every stored run predates commit 4a1f9bc, which
-    sized them by the batch sizes and GRPO shapes only (a run of --batch-sizes 1 served the
-    8 outside-the-task prompts one at a time)."""
+    """max_num_seqs of the run's engines as runs before commit 4a1f9bc sized them: by the
+    batch sizes, GRPO shapes and tail shape only (a run of --batch-sizes 1 served the 8
+    outside-the-task prompts one at a time). Later runs hold `max_batch_of` sequences."""
     shapes = [s for s in args["shapes"].split(",") if s]
-    batch_sizes = [int(b) for b in args["batch_sizes"].split(",")]
-    return max([*batch_sizes, *(SHAPES[s][1] * SHAPES[s][2] for s in shapes)])
+    batch_sizes = [int(b) for b in args["batch_sizes"].split(",") if b]
+    return max(
+        [
+            *batch_sizes,
+            *(SHAPES[s][1] * SHAPES[s][2] for s in shapes if s != "tail"),
+            *([len(TAIL.prompts)] if "tail" in shapes else []),
+        ]
+    )
 
 
 def measured_configs(run: str, data: dict) -> list[Measured]:
@@ -128,19 +138,19 @@ def measured_configs(run: str, data: dict) -> list[Measured]:
     return rows
 
 
-def setup_of(m: Measured, data: dict, latency: LatencyModel, conditional):
+def setup_of(config: str, model: str, data: dict, latency: LatencyModel, conditional):
     """(policy, latency the steps cost, k_max, draft pass at k = 0) of a configuration, as
-    benchmarks/rollout_throughput.py built it. Acceptance-driven policies price k on
-    `conditional`."""
+    benchmarks/rollout_throughput.py built it for the policy `model`. Acceptance-driven
+    policies price k on `conditional`."""
     args, k_max = data["args"], data["k_max"]
     max_batch = max_batch_of(args)
-    name = m.config.removeprefix("sampled ")
+    name = config.removeprefix("sampled ")
     if name in ("no spec", "k=0 (draft loaded)", "k=0, vLLM as shipped"):
         return FixedPolicy(0), latency, k_max, name == "k=0, vLLM as shipped"
     if name.startswith("k="):
         return FixedPolicy(int(name[2:])), latency, k_max, False
     if name == "static table":
-        table = dense_k_table(data["static_tables"][m.model], max_batch, k_max)
+        table = dense_k_table(data["static_tables"][model], max_batch, k_max)
         return table, latency, k_max, False
     if name.startswith("vLLM example table ("):
         table = VLLM_EXAMPLE_TABLES[name[len("vLLM example table (") : -1]]
@@ -169,7 +179,7 @@ def predict(m: Measured, data: dict, conditional, unprofiled: UnprofiledCosts) -
     """The replay of a configuration; where the engine held fewer sequences than the
     workload has, one replay per wave of that many, back to back (exact for one slot)."""
     latency = LatencyModel.from_dict(data["latency"])
-    policy, cost, k_max, shipped_k0 = setup_of(m, data, latency, conditional)
+    policy, cost, k_max, shipped_k0 = setup_of(m.config, m.model, data, latency, conditional)
     w, slots = m.workload, engine_slots(data["args"])
     waves = [
         replay(
@@ -245,25 +255,168 @@ def fit_unprofiled(data: dict, shape: str) -> UnprofiledCosts:
     )
 
 
+@dataclass
+class Repeats:
+    """A configuration of a run with profiles of its own: each repeat's wall time and
+    workload, and the acceptance the engine measured on that workload."""
+
+    run: str
+    section: str
+    key: str
+    config: str
+    wall_s: list[float]
+    workloads: list[Workload]
+    model: str
+    workload_acceptance: np.ndarray  # at fixed k = k_max, the configuration's drafting
+    own_acceptance: np.ndarray  # this configuration's own drafts
+
+    @property
+    def spread(self) -> float:
+        """How far the repeats lie from their median, the largest of them, relative."""
+        median = float(np.median(self.wall_s))
+        return max(abs(w / median - 1) for w in self.wall_s)
+
+
+def current_configs(run: str, data: dict) -> list[Repeats]:
+    args, k_max = data["args"], data["k_max"]
+    questions = [p.question for p in make_problems(max_batch_of(args), seed=7, level=2)]
+    rows = []
+    for section, keyed in data["results"].items():
+        for key, configs in keyed.items():
+            if section == "grpo":
+                model, n_prompts, group, _ = SHAPES[key]
+                prompts = [p.question for p in make_problems(n_prompts, seed=11, level=2)]
+                prompt_lengths, temperature = np.repeat(prompt_tokens(prompts), group), 1.0
+            elif section == "tail":
+                model, prompt_lengths, temperature = "base", prompt_tokens(TAIL.prompts), 1.0
+            else:
+                model = "base"
+                temp, b = key.split("/")
+                prompts = (questions if section == "fixed" else OUTSIDE_PROMPTS)[: int(b)]
+                prompt_lengths, temperature = prompt_tokens(prompts), float(temp)
+            for config, v in configs.items():
+                source = "sampled " if config.startswith("sampled") else ""
+                at_k_max = configs.get(f"{source}k={k_max}", {}).get("conditional_acceptance")
+                own = v.get("conditional_acceptance", at_k_max)
+                at_k_max = at_k_max or own or [0.0] * k_max  # none drafted: any will do
+                lengths = v.get("lengths_runs") or [
+                    [float(args["tokens"])] * len(prompt_lengths)
+                ] * len(v["wall_s_runs"])
+                workloads = [
+                    Workload(np.array(n, dtype=float), prompt_lengths, temperature) for n in lengths
+                ]
+                rows.append(
+                    Repeats(
+                        run,
+                        section,
+                        key,
+                        config,
+                        v["wall_s_runs"],
+                        workloads,
+                        model,
+                        np.asarray(at_k_max, dtype=float),
+                        np.asarray(own or at_k_max, dtype=float),
+                    )
+                )
+    return rows
+
+
+def predict_repeats(r: Repeats, data: dict, conditional: np.ndarray) -> np.ndarray:
+    """Each repeat's predicted makespan, from the profile of the configuration's drafting
+    and the costs that profile timed."""
+    profile = data["profiles"]["probabilistic" if r.config.startswith("sampled") else "greedy"]
+    latency = LatencyModel.from_dict(profile["latency"])
+    costs = UnprofiledCosts(**(profile.get("unprofiled") or {}))
+    policy, cost, _, shipped_k0 = setup_of(r.config, r.model, data, latency, conditional)
+    return np.array(
+        [replay(cost, conditional, w, policy, costs, shipped_k0).makespan_s for w in r.workloads]
+    )
+
+
+def verdict(errors: list) -> str:
+    e = np.abs([x for x in errors if x is not None])
+    return (
+        f"{(e <= GOAL).mean():.0%} of {len(e)} within ±{GOAL:.0%} (goal ≥ 90%), "
+        f"{(e > LIMIT).sum()} beyond ±{LIMIT:.0%} (goal 0), worst {e.max():+.1%}"
+    )
+
+
+def current_report(runs: dict[str, dict]) -> str:
+    rows = []
+    for run, data in runs.items():
+        configs = current_configs(run, data)
+        predicted = {id(r): predict_repeats(r, data, r.workload_acceptance) for r in configs}
+        base = {(r.section, r.key): r for r in configs if r.config == "no spec"}
+        for r in configs:
+            measured, at_k_max = float(np.median(r.wall_s)), float(np.median(predicted[id(r)]))
+            own = float(np.median(predict_repeats(r, data, r.own_acceptance)))
+            # Against no speculation in the same repeat (configurations run interleaved).
+            plain = base[(r.section, r.key)]
+            speedup = float(np.median(np.divide(plain.wall_s, r.wall_s)))
+            modelled = float(np.median(predicted[id(plain)] / predicted[id(r)]))
+            rows.append(
+                (r, measured, at_k_max / measured - 1, own / measured - 1, at_k_max)
+                + ((speedup, modelled, modelled / speedup - 1) if r is not plain else (None,) * 3)
+            )
+    spread = np.array([r.spread for r, *_ in rows])
+    created = {
+        f"{run} ({name})": p.get("created")
+        for run, d in runs.items()
+        for name, p in d["profiles"].items()
+    }
+    lines = [
+        "### Runs with their own profiles",
+        "",
+        "Runs of `benchmarks/rollout_throughput.py --fresh-profile` ("
+        + ", ".join(f"`{n}`" for n in runs)
+        + "): the latency profiles were measured at the start of the run (profile format 5; "
+        + "; ".join(f"{n} at {c}" for n, c in created.items())
+        + "). Each configuration is predicted from the profile of its drafting (greedy or sampled) "
+        "with the prefill and T = 1 sampling costs that profile timed, and from the acceptance per "
+        "position the engine measured on the same workload with the same drafting at fixed "
+        "k = k_max ('workload acceptance'), or on this configuration's own drafts ('own'). Each "
+        "repeat is replayed with its own output lengths; predicted and measured are each the "
+        "median over repeats. Nothing is fitted to these runs. 'vs no spec': the speedup over "
+        "no speculation, measured (each repeat against no speculation's run next to it) and "
+        "predicted, and how far the prediction is off.",
+        "",
+        f"- wall time, workload acceptance: {verdict([row[2] for row in rows])}.",
+        f"- wall time, own acceptance: {verdict([row[3] for row in rows])}.",
+        f"- speedup over no speculation, workload acceptance: {verdict([row[7] for row in rows])}.",
+        f"- the measurement against itself: {(spread <= GOAL).mean():.0%} of {len(rows)} "
+        f"configurations have every repeat within ±{GOAL:.0%} of their median; the largest "
+        f"spread is ±{spread.max():.1%}.",
+        "",
+        "| run | workload | config | measured s | repeats within | predicted s | error "
+        "| error, own acceptance | vs no spec: measured | predicted | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, measured, err, own_err, predicted, speedup, modelled, speedup_err in rows:
+        ratios = (
+            f"{speedup:.2f}x | {modelled:.2f}x | {speedup_err:+.1%}"
+            if speedup is not None
+            else "— | — | —"
+        )
+        lines.append(
+            f"| {r.run} | {r.section} {r.key} | {r.config} | {measured:.2f} | ±{r.spread:.1%} | "
+            f"{predicted:.2f} | {err:+.1%} | {own_err:+.1%} | {ratios} |"
+        )
+    return "\n".join(lines)
+
+
 def report(rows: list[tuple], unprofiled: UnprofiledCosts) -> str:
     def err(pred, meas):
         return pred / meas - 1
-
-    def verdict(errors: list[float]) -> str:
-        e = np.abs([x for x in errors if x is not None])
-        return (
-            f"{(e <= GOAL).mean():.0%} of {len(e)} within ±{GOAL:.0%} (goal ≥ 90%), "
-            f"{(e > LIMIT).sum()} beyond ±{LIMIT:.0%} (goal 0), worst {e.max():+.1%}"
-        )
 
     calib = [err(r[5], r[4]) if r[5] is not None else None for r in rows]
     matched = [err(r[6], r[4]) for r in rows]
     raw = [err(r[7], r[4]) if r[7] is not None else None for r in rows]
     lines = [
-        "Predicted wall time of every configuration measured by "
+        "### Earlier runs (profile formats 3-4)",
+        "",
+        "Every configuration of the earlier runs of "
         "`benchmarks/rollout_throughput.py` (docs/assets/rollout_throughput*.json), each from "
-        "that run's own latency profile and the configuration's own policy. Predictions are "
-        "deterministic expectations (one replay, E[tokens | k] per step).",
+        "that run's own latency model and the configuration's own policy.",
         "",
         "- **A. calibration acceptance**: the run's `calibration_conditional_acceptance` "
         "(measured once at k_max on that policy's GRPO rollout). Not defined for drafts "
@@ -303,7 +456,13 @@ def report(rows: list[tuple], unprofiled: UnprofiledCosts) -> str:
 
 
 def main() -> None:
-    runs = {p.stem: load_json(p) for p in sorted(ASSETS.glob("rollout_throughput*.json"))}
+    stored = {p.stem: load_json(p) for p in sorted(ASSETS.glob("rollout_*.json"))}
+    current = {run: data for run, data in stored.items() if "profiles" in data}
+    runs = {
+        run: data
+        for run, data in stored.items()
+        if run.startswith("rollout_throughput") and run not in current
+    }
     unprofiled = fit_unprofiled(runs[CALIBRATION_RUN], CALIBRATION_SHAPE)
     rows = []
     for run, data in runs.items():
@@ -321,7 +480,14 @@ def main() -> None:
                 else None
             )
             rows.append((run, m.section, m.key, m.config, m.wall_s, a, b, raw))
-    text = report(rows, unprofiled)
+    text = (
+        "Predicted wall time of every configuration measured by "
+        "`benchmarks/rollout_throughput.py`, from that run's profile and the configuration's "
+        "own policy. Predictions are deterministic expectations (one replay, E[tokens | k] "
+        "per step).\n\n"
+        + (current_report(current) + "\n\n" if current else "")
+        + report(rows, unprofiled)
+    )
     write_study(
         "simulator",
         "Rollout simulator vs the measured runs (SmolLM2-135M, CPU)",
