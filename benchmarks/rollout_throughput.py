@@ -214,6 +214,23 @@ def sampled_configs(
     return configs
 
 
+def named_configs(only: str, known: list[str]) -> tuple[list[str], list[str]]:
+    """(known, unknown) names in the comma-separated `only`, where a name may hold a comma
+    itself ("k=0, vLLM as shipped"): the longest run of pieces that is a known name wins."""
+    parts, picked, unknown, i = only.split(","), [], [], 0
+    while i < len(parts):
+        j = next(
+            (j for j in range(len(parts), i, -1) if ",".join(parts[i:j]).strip() in known), None
+        )
+        if j is None:
+            unknown.append(parts[i].strip())
+            i += 1
+        else:
+            picked.append(",".join(parts[i:j]).strip())
+            i = j
+    return picked, unknown
+
+
 def few_in_flight_share(trace: list) -> float:
     """Share of the rollout's wall time spent in steps with at most FEW_IN_FLIGHT running."""
     if len(trace) < 2:
@@ -424,10 +441,10 @@ def main() -> None:
                 sampled_configs(sampled, sampled_hybrid, sampled_latency, args.k_max, max_batch)
             )
         if args.only:
-            keep = {"no spec", *args.only.split(",")}
-            if keep - set(configs):
-                ap.error(f"--only: unknown {sorted(keep - set(configs))}; known: {list(configs)}")
-            configs = {n: c for n, c in configs.items() if n in keep}
+            keep, unknown = named_configs(args.only, list(configs))
+            if unknown:
+                ap.error(f"--only: unknown {unknown}; known: {list(configs)}")
+            configs = {n: c for n, c in configs.items() if n in {"no spec", *keep}}
         # "+history": the answers of an earlier rollout of the same prompts by this policy
         # (as in a GRPO epoch that comes back to them), made once with no speculation.
         history = {

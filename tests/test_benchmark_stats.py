@@ -1,5 +1,6 @@
 """Benchmark helpers: the e2e benchmark's reward comparison (prompts, not samples, are the
-independent units) and the writer of the study files in docs/benchmarks/."""
+independent units), the writer of the study files in docs/benchmarks/ and the rollout
+benchmark's choice of configurations."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from benchmarks import common
 from benchmarks.common import STALE_NOTES, write_study
 from benchmarks.e2e_grpo import paired_t, prompt_means, report
+from benchmarks.rollout_throughput import named_configs
 
 # Per-prompt rewards of two configurations on the same six prompts: a difference within noise.
 X = [0.5, 0.2, 0.4, 0.3, 0.6, 0.1]
@@ -151,3 +153,9 @@ def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixe
     monkeypatch.setattr(rt, "ASSETS", tmp_path)
     rt.plot(result)
     assert (tmp_path / "check_tail_b.png").stat().st_size > 0
+
+
+def test_only_names_configurations_that_hold_a_comma():
+    known = ["no spec", "k=0 (draft loaded)", "k=0, vLLM as shipped", "k=1", "ours"]
+    assert named_configs("k=0, vLLM as shipped,k=1", known) == (["k=0, vLLM as shipped", "k=1"], [])
+    assert named_configs("ours,k=9", known) == (["ours"], ["k=9"])
