@@ -231,6 +231,17 @@ def named_configs(only: str, known: list[str]) -> tuple[list[str], list[str]]:
     return picked, unknown
 
 
+def mean_conditional(per_position: list[list[float]]) -> list[float]:
+    """The conditional acceptance per position, averaged over runs, from each run's
+    per-position acceptance; a run whose drafts never reached a position (a policy that
+    chose a smaller k that time) leaves it to the runs that did."""
+    conditional = [conditional_from_cumulative(c) for c in per_position]
+    return [
+        statistics.fmean(c[i] for c in conditional if i < len(c))
+        for i in range(max(len(c) for c in conditional))
+    ]
+
+
 def few_in_flight_share(trace: list) -> float:
     """Share of the rollout's wall time spent in steps with at most FEW_IN_FLIGHT running."""
     if len(trace) < 2:
@@ -481,9 +492,7 @@ def main() -> None:
             out["lengths_runs"] = [[n for group in r["lengths"] for n in group] for r in runs]
         drafted = [r["per_position_acceptance"] for r in runs if r["per_position_acceptance"]]
         if drafted and runs[-1]["mean_acceptance_length"] > 1.0:
-            out["conditional_acceptance"] = np.mean(
-                [conditional_from_cumulative(c) for c in drafted], axis=0
-            ).tolist()
+            out["conditional_acceptance"] = mean_conditional(drafted)
         if "group" in runs[-1]:
             for source in runs[-1]["group"]:
                 for what in ("draft_tokens", "accepted_tokens"):

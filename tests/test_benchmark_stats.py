@@ -12,7 +12,7 @@ import pytest
 from benchmarks import common
 from benchmarks.common import STALE_NOTES, write_study
 from benchmarks.e2e_grpo import paired_t, prompt_means, report
-from benchmarks.rollout_throughput import named_configs
+from benchmarks.rollout_throughput import mean_conditional, named_configs
 
 # Per-prompt rewards of two configurations on the same six prompts: a difference within noise.
 X = [0.5, 0.2, 0.4, 0.3, 0.6, 0.1]
@@ -159,3 +159,9 @@ def test_only_names_configurations_that_hold_a_comma():
     known = ["no spec", "k=0 (draft loaded)", "k=0, vLLM as shipped", "k=1", "ours"]
     assert named_configs("k=0, vLLM as shipped,k=1", known) == (["k=0, vLLM as shipped", "k=1"], [])
     assert named_configs("ours,k=9", known) == (["ours"], ["k=9"])
+
+
+def test_acceptance_averages_over_runs_whose_drafts_reached_different_depths():
+    # P(all of positions <= i accepted): one run drafted 3 deep, the other 2.
+    mean = mean_conditional([[0.5, 0.25, 0.125], [0.8, 0.4]])
+    assert mean == pytest.approx([0.65, 0.5, 0.5])
