@@ -109,28 +109,33 @@ def engine_slots(args: dict) -> int:
     )
 
 
+def workload_of(section: str, key: str, args: dict) -> tuple[str, np.ndarray, float]:
+    """(the policy that answered, per-request prompt lengths, temperature) of a workload,
+    as benchmarks/rollout_throughput.py made it."""
+    if section == "grpo":
+        model, n_prompts, group, _ = SHAPES[key]
+        prompts = [p.question for p in make_problems(n_prompts, seed=11, level=2)]
+        return model, np.repeat(prompt_tokens(prompts), group), 1.0
+    if section == "tail":
+        return "base", prompt_tokens(TAIL.prompts), 1.0
+    temp, b = key.split("/")
+    questions = [p.question for p in make_problems(max_batch_of(args), seed=7, level=2)]
+    prompts = (questions if section == "fixed" else OUTSIDE_PROMPTS)[: int(b)]
+    return "base", prompt_tokens(prompts), float(temp)
+
+
 def measured_configs(run: str, data: dict) -> list[Measured]:
     args = data["args"]
-    questions = [p.question for p in make_problems(max_batch_of(args), seed=7, level=2)]
     rows = []
     for section, keyed in data["results"].items():
         for key, configs in keyed.items():
+            model, prompt_lengths, temperature = workload_of(section, key, args)
             if section == "grpo":
-                model, n_prompts, group, _ = SHAPES[key]
-                prompts = [p.question for p in make_problems(n_prompts, seed=11, level=2)]
                 conditional = data["calibration_conditional_acceptance"][model]
-                workload = Workload(
-                    lengths_from_trace(data["traces"][key], conditional),
-                    np.repeat(prompt_tokens(prompts), group),
-                    temperature=1.0,
-                )
+                lengths = lengths_from_trace(data["traces"][key], conditional)
             else:
-                model = "base"
-                temp, b = key.split("/")
-                prompts = (questions if section == "fixed" else OUTSIDE_PROMPTS)[: int(b)]
-                workload = Workload(
-                    np.full(int(b), float(args["tokens"])), prompt_tokens(prompts), float(temp)
-                )
+                lengths = np.full(len(prompt_lengths), float(args["tokens"]))
+            workload = Workload(lengths, prompt_lengths, temperature)
             for config, v in configs.items():
                 rows.append(
                     Measured(run, section, key, config, v["wall_s"], v["mal"], workload, model)
@@ -279,21 +284,10 @@ class Repeats:
 
 def current_configs(run: str, data: dict) -> list[Repeats]:
     args, k_max = data["args"], data["k_max"]
-    questions = [p.question for p in make_problems(max_batch_of(args), seed=7, level=2)]
     rows = []
     for section, keyed in data["results"].items():
         for key, configs in keyed.items():
-            if section == "grpo":
-                model, n_prompts, group, _ = SHAPES[key]
-                prompts = [p.question for p in make_problems(n_prompts, seed=11, level=2)]
-                prompt_lengths, temperature = np.repeat(prompt_tokens(prompts), group), 1.0
-            elif section == "tail":
-                model, prompt_lengths, temperature = "base", prompt_tokens(TAIL.prompts), 1.0
-            else:
-                model = "base"
-                temp, b = key.split("/")
-                prompts = (questions if section == "fixed" else OUTSIDE_PROMPTS)[: int(b)]
-                prompt_lengths, temperature = prompt_tokens(prompts), float(temp)
+            model, prompt_lengths, temperature = workload_of(section, key, args)
             for config, v in configs.items():
                 source = "sampled " if config.startswith("sampled") else ""
                 at_k_max = configs.get(f"{source}k={k_max}", {}).get("conditional_acceptance")
