@@ -51,6 +51,11 @@ LONG_CONTEXT = 512  # prompt tokens of the long-context steps (at most half the 
 LONG_BATCHES = (1, 4, 16)
 
 
+def timed_temperature(draft_sampling: str) -> float:
+    """The temperature a profile's own steps sample at: sampled drafting is timed at T = 1."""
+    return 0.0 if draft_sampling == "greedy" else 1.0
+
+
 def _time_steps(
     engine: Engine,
     prompts: list[str] | list[list[int]],
@@ -110,7 +115,7 @@ def measure(cfg: ProfileConfig, log=print) -> list[dict]:
         # The same prompts, each its own ids repeated to the long context's length.
         long = min(LONG_CONTEXT, engine.cfg.max_model_len // 2)
         long_prompts = [(p * (long // len(p) + 1))[:long] for p in prompts]
-        temperature = 0.0 if cfg.draft_sampling == "greedy" else 1.0
+        temperature = timed_temperature(cfg.draft_sampling)
         # warm up every code path
         _time_steps(engine, prompts, max_batch, cfg.k_max, 4, temperature)
         if temperature == 0.0:
@@ -165,7 +170,7 @@ def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
     """T, S and D fitted on the steps at short context, then the attention term on the
     long-context ones against that fit; the prefill and T = 1 sampling costs the
     simulator adds (`unprofiled`), where they were timed."""
-    temperature = 0.0 if cfg.draft_sampling == "greedy" else 1.0
+    temperature = timed_temperature(cfg.draft_sampling)
     steps = [r for r in rows if not r.get("prefill")]
     own = [r for r in steps if r.get("temperature", temperature) == temperature]
     short = [r for r in own if not r.get("long_context")]
@@ -216,7 +221,7 @@ def plot_profile(profile: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     latency = LatencyModel.from_dict(profile["latency"])
-    temperature = 0.0 if profile["key"].get("draft_sampling", "greedy") == "greedy" else 1.0
+    temperature = timed_temperature(profile["key"].get("draft_sampling", "greedy"))
     rows = [  # the steps the latency model is fitted on
         r
         for r in profile["measurements"]
