@@ -11,6 +11,13 @@ from datetime import date
 from pathlib import Path
 
 from grpo_specdec.assets.smollm2 import DEFAULT_DRAFT_VOCAB, default_dir, head_dir
+from grpo_specdec.measure import (
+    ALLOW_BUSY_FLAG,
+    DEFAULT_REPEATS,
+    MachineBusy,
+    busy_note,
+    require_quiet,
+)
 from vllm_plugin.settings import PROFILE_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +28,38 @@ STALE_NOTES = (
     "> **Written for an earlier run.** The results above changed since these notes were "
     "written: check every figure they quote against them, then delete this line."
 )
+
+
+def protocol_args(ap, repeats: bool = True) -> None:
+    """The measurement protocol's flags (grpo_specdec/measure.py), the same in every
+    benchmark: --repeats (timed rounds, each in a new shuffled order), --order-seed, and
+    --allow-busy (measure although other processes use the machine; the study says so)."""
+    if repeats:
+        ap.add_argument(
+            "--repeats",
+            type=int,
+            default=DEFAULT_REPEATS,
+            help="timed rounds after a warm-up per configuration, each in a new shuffled order",
+        )
+        ap.add_argument("--order-seed", type=int, default=0, help="seeds the rounds' orders")
+    ap.add_argument(
+        ALLOW_BUSY_FLAG,
+        action="store_true",
+        help="measure even when other processes use more than 10%% of the machine",
+    )
+
+
+def quiet_machine(args) -> dict:
+    """The quiet-machine guard, called before anything is loaded: exits with the reason
+    when other processes use more than 10% of the machine (unless --allow-busy); prints
+    and returns the share it measured, for the study to record beside its results."""
+    try:
+        share = require_quiet(args.allow_busy)
+    except MachineBusy as err:
+        sys.exit(f"refused to measure: {err}")
+    note = busy_note(share, args.allow_busy)
+    print(note, flush=True)
+    return {"others_cpu_share_before": share, "allow_busy": args.allow_busy, "note": note}
 
 
 def cli(*args: str) -> str:

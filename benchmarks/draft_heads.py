@@ -10,6 +10,7 @@ whole policy into the running engine (median of 5).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -22,6 +23,8 @@ from safetensors.torch import load_file
 from benchmarks.common import (
     ASSETS,
     fixed_k_engine,
+    protocol_args,
+    quiet_machine,
     smollm2,
     smollm2_head,
     smollm2_profile,
@@ -73,6 +76,9 @@ def measure(
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    protocol_args(ap, repeats=False)
+    machine = quiet_machine(ap.parse_args())
     target = smollm2()
     heads = {"full vocabulary (EAGLE)": smollm2_head(target, draft_vocab=None)}
     heads[f"reduced vocabulary, {DRAFT_VOCAB} tokens (EAGLE-3 format)"] = smollm2_head(
@@ -101,7 +107,7 @@ def main() -> None:
             f"{r['temperature_1']['mean_acceptance_length']:.2f} | {r['draft_step_fraction'][1]:.2f} | "
             f"{r['draft_step_fraction'][32]:.2f} | {r['draft_swap_ms']:.0f} | {r['policy_swap_ms']:.0f} |"
         )
-    body = "\n".join(lines)
+    body = "\n".join([*lines, "", machine["note"]])
     write_study("draft_heads", "Draft heads (SmolLM2-135M)", body, "draft_heads.py")
     print(body)
 

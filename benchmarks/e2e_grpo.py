@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 from benchmarks.common import (
     ASSETS,
     ROOT,
+    protocol_args,
+    quiet_machine,
     smollm2,
     smollm2_head,
     smollm2_profile,
@@ -370,6 +372,8 @@ def section(data: dict, rebuilt: bool) -> str:
             f"; tables rebuilt from the saved results (`docs/assets/e2e_{shape}.json`) with "
             f"`python benchmarks/e2e_grpo.py --shape {shape} --report-only`"
         )
+    if "machine" in data:
+        measured += f". {data['machine']['note'].removesuffix('.')}"
     return f"### Shape `{shape}`\n\n{measured}.\n\n" + report(
         shape, data["summary"], args["iterations"], shape_config(shape, sets).rollout.group_size
     )
@@ -402,12 +406,14 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="config override for every run, e.g. model.device=cuda (repeatable)",
     )
+    protocol_args(ap, repeats=False)
     args = ap.parse_args()
     saved = ASSETS / f"e2e_{args.shape}.json"
     if args.report_only:
         data = json.loads(saved.read_text())
     else:
-        data = measure(args)
+        machine = quiet_machine(args)
+        data = {**measure(args), "machine": machine}
         ASSETS.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(data, indent=1))
         plot(args.shape, data["summary"])

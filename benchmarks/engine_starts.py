@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
-from benchmarks.common import cli  # noqa: E402
+from benchmarks.common import cli, protocol_args, quiet_machine  # noqa: E402
 
 INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
 LOADED = "Directly load AOT compilation"
@@ -49,7 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--starts", type=int, default=30)
     ap.add_argument("--no-patches", action="store_true", help="GRPO_SPECDEC_NO_PATCHES=1")
+    protocol_args(ap, repeats=False)
     opts = ap.parse_args()
+    quiet_machine(opts)
     work = Path(tempfile.mkdtemp(prefix="engine-starts-"))
     tiny = Path(cli("models", "tiny", "--out", str(work / "tiny")))
     prompts = work / "prompts.txt"

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 
 import torch
 
-from benchmarks.common import smollm2, write_study
+from benchmarks.common import protocol_args, quiet_machine, smollm2, write_study
 from grpo_specdec.job.config import PolicySettings
 from grpo_specdec.job.precision import cpu_has_bf16
 from grpo_specdec.job.roles import PolicyBatch, PolicyLearner
@@ -47,7 +47,9 @@ def main() -> None:
     p.add_argument("--sequences", type=int, default=32, help="a GRPO batch: 4 prompts x 8")
     p.add_argument("--tokens", type=int, default=128, help="response tokens per sequence")
     p.add_argument("--repeats", type=int, default=2)
+    protocol_args(p, repeats=False)
     args = p.parse_args()
+    machine = quiet_machine(args)
     model = smollm2()
     batch = _batch(args.sequences, args.tokens)
     learners = {
@@ -87,6 +89,8 @@ def main() -> None:
             f"bf16 / fp32 {float(g16.norm() / g32.norm()):.4f}; loss fp32 {first['off'][0]:.5f}, "
             f"bf16 autocast {first['bfloat16'][0]:.5f} (the importance ratio is 1 in a first "
             "step, so both are minus the mean advantage up to rounding).",
+            "",
+            machine["note"],
         ]
     )
     print(body)

@@ -25,6 +25,7 @@ estimator and starts every run from an empty prefix cache.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import statistics
@@ -40,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 from benchmarks.common import (
     ASSETS,
     load_json,
+    protocol_args,
+    quiet_machine,
     smollm2,
     smollm2_head,
     smollm2_profile,
@@ -47,6 +50,7 @@ from benchmarks.common import (
     write_study,
 )
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+from grpo_specdec.measure import run_protocol, speedup
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES, recommend_table
 from grpo_specdec.tasks.arithmetic import make_problems
 from grpo_specdec.tasks.tail_shape import in_flight, tail_phase_s, tail_shape
@@ -298,7 +302,6 @@ def main() -> None:
     )
     ap.add_argument("--trained-iterations", type=int, default=12)
     ap.add_argument("--trained-lr", type=float, default=1e-4)
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
         "--group",
         action=argparse.BooleanOptionalAction,
@@ -328,7 +331,9 @@ def main() -> None:
         help="measure the latency profiles now, not from the store: the run and its profile "
         "see the machine in the same state (benchmarks/simulator_validation.py)",
     )
+    protocol_args(ap)
     args = ap.parse_args()
+    machine = quiet_machine(args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     temperatures = [float(t) for t in args.temperatures.split(",") if t]
     shapes = [s for s in args.shapes.split(",") if s]
@@ -386,6 +391,7 @@ def main() -> None:
     # One policy at a time (its engines, then the next policy's): every configuration of a
     # workload still runs side by side, interleaved, in each repeat.
     results: dict[str, dict[str, dict[str, list[dict]]]] = {}
+    orders: dict[str, list[list[str]]] = {}
     tables, calibration = {}, {}
     tail_endings: dict[str, int] = {}
     for name, (model, draft) in models.items():
@@ -465,17 +471,26 @@ def main() -> None:
             and args.group
             and any(c.with_history for c in configs.values())
         }
-        for config in configs.values():  # warm every engine and estimator before timing
-            run_config(config, questions[:4], SamplingSettings(max_tokens=8, ignore_eos=True))
-        for rep in range(args.repeats):
-            for section, key, _, prompts, sampling, per_request in own_workloads:
-                for cname, config in configs.items():
-                    runs = results.setdefault(section, {}).setdefault(key, {}).setdefault(cname, [])
-                    out = run_config(
-                        config, prompts, sampling, history.get((section, key)), per_request
+        # The protocol (grpo_specdec/measure.py), per workload: every configuration warmed
+        # on it, then --repeats rounds in a seeded shuffled order.
+        for w, (section, key, _, prompts, sampling, per_request) in enumerate(own_workloads):
+            past = history.get((section, key))
+            timed = run_protocol(
+                {
+                    cname: functools.partial(
+                        run_config, config, prompts, sampling, past, per_request
                     )
-                    runs.append(out)
-                print(f"{name} repeat {rep + 1}/{args.repeats}: {section} {key} done", flush=True)
+                    for cname, config in configs.items()
+                },
+                repeats=args.repeats,
+                seed=args.order_seed + w,
+                progress=functools.partial(print, f"{name} {section} {key}:", flush=True),
+            )
+            for cname, runs in timed.runs.items():
+                for out, busy in zip(runs, timed.busy[cname], strict=True):
+                    out["others_cpu_share"] = busy
+            results.setdefault(section, {})[key] = timed.runs
+            orders[f"{section}/{key}"] = timed.orders
         for e in engines:
             e.shutdown()
 
@@ -487,6 +502,9 @@ def main() -> None:
             # Each repeat, for the simulator's validation: its wall time, and (where lengths
             # vary) every request's output length; the conditional acceptance per position.
             "wall_s_runs": [r["wall_s"] for r in runs],
+            "s_per_token_runs": [r["wall_s"] / r["tokens"] for r in runs],
+            "makespan_s_runs": [max(r["finished_s"]) for r in runs],
+            "others_cpu_share": [r.get("others_cpu_share") for r in runs],
         }
         if any(len({n for group in r["lengths"] for n in group}) > 1 for r in runs):
             out["lengths_runs"] = [[n for group in r["lengths"] for n in group] for r in runs]
@@ -524,9 +542,14 @@ def main() -> None:
         "calibration_conditional_acceptance": calibration,
         "trained_policy": models.get("trained"),
         "results": {
-            section: {key: {n: summary(r) for n, r in per.items()} for key, per in keyed.items()}
+            section: {
+                key: with_speedups(section, {n: summary(r) for n, r in per.items()})
+                for key, per in keyed.items()
+            }
             for section, keyed in results.items()
         },
+        "orders": orders,
+        "machine": machine,
         "traces": {
             key: per["ours"][-1]["trace"]
             for section in ("grpo", "tail")
@@ -555,14 +578,31 @@ def main() -> None:
     print(text)
 
 
+def with_speedups(section: str, per: dict[str, dict]) -> dict[str, dict]:
+    """Each configuration's speedup over no speculation, paired by round, with its 95%
+    interval: in makespan on the tail shape, in time per generated token elsewhere."""
+    runs = "makespan_s_runs" if section == "tail" else "s_per_token_runs"
+    base = per["no spec"][runs]
+    for v in per.values():
+        v["speedup"] = speedup(base, v[runs]).to_dict()
+    return per
+
+
+def _x(v: dict) -> str:
+    """A configuration's speedup over no speculation with its interval, and a verdict
+    only when the interval excludes 1.0."""
+    sp = v["speedup"]
+    verdict = {"gain": ", gain", "loss": ", loss"}.get(sp["verdict"], "")
+    return f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}]{verdict}"
+
+
 def _ratio_table(per_key: dict, keys: list[str], header: list[str]) -> list[str]:
     names = list(per_key[keys[0]])
     lines = ["| config | " + " | ".join(header) + " |", "|---|" + "---|" * len(keys)]
     for n in names:
         cells = []
         for key in keys:
-            tps, base = per_key[key][n]["tokens_per_s"], per_key[key]["no spec"]["tokens_per_s"]
-            cells.append(f"{tps:.0f} ({tps / base:.2f}x)")
+            cells.append(f"{per_key[key][n]['tokens_per_s']:.0f} ({_x(per_key[key][n])})")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return lines
 
@@ -580,9 +620,14 @@ def report(r: dict) -> str:
             else "default head (reduced vocabulary)"
         )
         + ", profiled C_peak = "
-        f"{r['c_peak']:.0f} tokens. Median of {a['repeats']} interleaved repeats; every "
+        f"{r['c_peak']:.0f} tokens. Under the measurement protocol (`grpo_specdec/measure.py`): "
+        "per workload every configuration warmed on it, then the median of "
+        f"{a['repeats']} rounds, each in a seeded shuffled order (orders in the JSON); every "
         "configuration in one run, each from its own estimator and an empty prefix cache. "
-        "Generated tokens/s (ratio to no speculation).",
+        "Generated tokens/s (speedup over no speculation, paired by round, with its 95% "
+        "bootstrap interval; gain or loss only where the interval excludes 1.0). "
+        + r.get("machine", {}).get("note", "Others' CPU share: not measured.")
+        + f" During the timed runs others took at most {_busiest(r)}.",
         *(["", a["note"]] if a.get("note") else []),
     ]
     fixed = res.get("fixed", {})
@@ -656,10 +701,9 @@ def report(r: dict) -> str:
             "| group tokens drafted / accepted | model tokens drafted / accepted |",
             "|---|---|---|---|---|---|---|",
         ]
-        base = per["no spec"]["tokens_per_s"]
         for n, v in per.items():
             lines.append(
-                f"| {n} | {v['tokens_per_s']:.0f} | {v['tokens_per_s'] / base:.2f}x | "
+                f"| {n} | {v['tokens_per_s']:.0f} | {_x(v)} | "
                 f"{v['wall_s']:.1f} | {v['mal']:.2f} | {_by_source(v)} |"
             )
     tail = res.get("tail", {}).get("tail")
@@ -680,6 +724,18 @@ def report(r: dict) -> str:
         *(["", f"![the tail shape's B over time](../assets/{tag}_tail_b.png)"] * bool(tail)),
     ]
     return "\n".join(lines)
+
+
+def _busiest(r: dict) -> str:
+    shares = [
+        s
+        for keyed in r["results"].values()
+        for per in keyed.values()
+        for v in per.values()
+        for s in v.get("others_cpu_share", [])
+        if s is not None
+    ]
+    return f"{max(shares):.1%} of the machine" if shares else "an unmeasured share"
 
 
 def _by_source(v: dict) -> str:
@@ -720,7 +776,7 @@ def _tail_report(per: dict, r: dict) -> list[str]:
     ]
     for n, v in per.items():
         lines.append(
-            f"| {n} | {v['makespan_s']:.1f} | {base['makespan_s'] / v['makespan_s']:.2f}x | "
+            f"| {n} | {v['makespan_s']:.1f} | {_x(v)} | "
             f"{v['tail_s']:.1f} | {base['tail_s'] / v['tail_s']:.2f}x | {v['tokens_per_s']:.0f} | "
             f"{v['mal']:.2f} | {_by_source(v)} |"
         )

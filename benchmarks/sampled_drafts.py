@@ -20,6 +20,7 @@ Heads are built by the project's own commands when absent (benchmarks/common.py)
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -36,6 +37,8 @@ from transformers import AutoModelForCausalLM
 from benchmarks.common import (
     ASSETS,
     fixed_k_engine,
+    protocol_args,
+    quiet_machine,
     smollm2,
     smollm2_head,
     smollm2_t1_head,
@@ -256,6 +259,9 @@ def report(r: dict) -> str:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    protocol_args(ap, repeats=False)
+    machine = quiet_machine(ap.parse_args())
     target = smollm2()
     all_heads = heads(target)
     prompts = held_out_prompts(11)[:32]
@@ -277,7 +283,7 @@ def main() -> None:
     result = json.loads(json.dumps(result))  # the saved form: keys as strings
     ASSETS.mkdir(parents=True, exist_ok=True)
     (ASSETS / "sampled_drafts.json").write_text(json.dumps(result, indent=1))
-    text = report(result)
+    text = report(result) + "\n\n" + machine["note"]
     write_study(
         "sampled_drafts", "Sampled drafting at T=1 (SmolLM2-135M)", text, "sampled_drafts.py"
     )

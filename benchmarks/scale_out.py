@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
-from benchmarks.common import ASSETS, ROOT, write_study
+from benchmarks.common import ASSETS, ROOT, protocol_args, quiet_machine, write_study
 from grpo_specdec.config import load_yaml
 from grpo_specdec.job.config import TrainConfig
 
@@ -257,9 +257,12 @@ def main() -> None:
         "--only", choices=["jobs", "learner"], help="measure one part; the other from the JSON"
     )
     p.add_argument("--report-only", action="store_true", help="docs from the saved JSON")
+    protocol_args(p, repeats=False)
     args = p.parse_args()
     saved = ASSETS / "scale_out.json"
     results = json.loads(saved.read_text()) if saved.is_file() else {}
+    if not args.report_only:
+        results["machine"] = quiet_machine(args)
     if not args.report_only and args.only != "learner":
         results["jobs"] = [run_layout(*layout, args.iterations, args.swaps) for layout in LAYOUTS]
         results["iterations"] = args.iterations
@@ -277,6 +280,8 @@ def main() -> None:
             report(results["jobs"], results["iterations"]),
             "",
             *learner_report(results["learner"], results["steps"], results["sequences"]),
+            "",
+            results.get("machine", {}).get("note", "Others' CPU share: not measured."),
         ]
     )
     print(body)

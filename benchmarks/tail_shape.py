@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
-from benchmarks.common import ASSETS, smollm2, write_study
+from benchmarks.common import ASSETS, protocol_args, quiet_machine, smollm2, write_study
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.tasks.tail_shape import (
     TailShape,
@@ -170,7 +170,9 @@ def main() -> None:
     ap.add_argument("--budget-sigma", type=float, default=0.7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=int, default=2, help="rollouts of the same shape")
+    protocol_args(ap, repeats=False)
     args = ap.parse_args()
+    machine = quiet_machine(args)
     shape = tail_shape(
         args.prompts, args.group, args.cap, args.budget_median, args.budget_sigma, args.seed
     )
@@ -191,7 +193,7 @@ def main() -> None:
         f"--cap {args.cap} --budget-median {args.budget_median} "
         f"--budget-sigma {args.budget_sigma:g} --seed {args.seed} --runs {args.runs}"
     )
-    results = _report(shape, summary, plot.name, command)
+    results = _report(shape, summary, plot.name, command) + "\n\n" + machine["note"]
     print(write_study("tail_shape", "A rollout shape with a tail", results, "tail_shape.py"))
 
 

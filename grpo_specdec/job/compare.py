@@ -1,14 +1,16 @@
 """The end-of-job comparison (`compare_at_end`): the next batch of prompts rolled out by
 the job's first engine (its speculation, the final weights; and at each `compare.fixed_k`)
-and by an engine without speculation serving the same weights, one after the other, each
-from an empty prefix cache, side by side in a table.
+and by an engine without speculation serving the same weights, side by side in a table,
+under the measurement protocol (`grpo_specdec/measure.py`): every configuration warmed on
+the workload, then `compare.repeats` rounds in a seeded shuffled order, each from an empty
+prefix cache; each ratio is the median over rounds with a 95% interval.
 
 `compare.shape: tail` rolls the next batch's prompts out as the tail shape
 (`tasks/tail_shape.py`): each sample its own request with its own length budget, so that
 few requests are left in flight for much of the rollout, as in real GRPO rollouts. There
-the other rows make exactly the tokens each request made without speculation (EOS then
-ignored): a speculative engine on CPU cannot follow per-request seeds, so left to chance
-its longest answers, which set the makespan, would differ.
+every timed run makes exactly the tokens each request made in the warm-up run without
+speculation (EOS then ignored): a speculative engine on CPU cannot follow per-request seeds,
+so left to chance its longest answers, which set the makespan, would differ.
 
 It lives in the job, not in benchmarks/, because `grpo-specdec train` (and `make demo`)
 prints it from an installed package; benchmarks can import it from here.
@@ -16,6 +18,7 @@ prints it from an installed package; benchmarks can import it from here.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import ray
@@ -23,6 +26,7 @@ import ray
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.config import CompareSettings
 from grpo_specdec.job.lifecycle import Roles
+from grpo_specdec.measure import run_protocol, speedup
 from grpo_specdec.tasks.tail_shape import tail_phase_s, with_budgets
 
 NO_SPEC = "no speculation"
@@ -45,54 +49,97 @@ def compare_rollout(
     speculation: str,
     cfg: CompareSettings,
     seed: int = 0,
+    log=print,
 ) -> dict[str, dict]:
-    """Each rollout's summary, by row name. `checkpoint`: of the final weights (its
-    policy folder is what the engine without speculation serves)."""
+    """Each configuration's summary, by row name: medians over the repeats, the speedup
+    over no speculation with its interval, every repeat's figures and the CPU share other
+    processes took during each. `checkpoint`: of the final weights (its policy folder is
+    what the engine without speculation serves)."""
     prompts, sampling, per_request = requests_of(batch, cfg, seed)
     plain_cfg = {**roles.engine_cfg, "model": str(checkpoint / "policy"), "speculative": None}
     plain = roles.placement.actor("rollout", None).remote(plain_cfg, {})
     ray.get(plain.__ray_ready__.remote())  # start-up is not part of the comparison
     job_engine = roles.rollouts[0]
-    rows = [(NO_SPEC, plain, None), (f"speculation: {speculation}", job_engine, None)]
-    rows += [(f"fixed k = {k}", job_engine, k) for k in cfg.fixed_k]
-    runs = {}
-    try:
-        for name, engine, fixed_k in rows:
-            ray.get(engine.forget_caches.remote())
-            runs[name] = ray.get(
-                engine.rollout.remote(prompts, sampling, fixed_k=fixed_k, **per_request)
+    rows = {NO_SPEC: (plain, None), f"speculation: {speculation}": (job_engine, None)}
+    rows |= {f"fixed k = {k}": (job_engine, k) for k in cfg.fixed_k}
+    workload = {"sampling": sampling, "per_request": per_request}
+
+    def roll_out(name: str):
+        engine, fixed_k = rows[name]
+        ray.get(engine.forget_caches.remote())
+        return ray.get(
+            engine.rollout.remote(
+                prompts, workload["sampling"], fixed_k=fixed_k, **workload["per_request"]
             )
-            if name == NO_SPEC and cfg.shape == "tail":
-                lengths = [len(samples[0]) for samples in runs[name].responses]
-                per_request = {**per_request, "max_tokens": lengths}
-                sampling = {**sampling, "ignore_eos": True}
+        )
+
+    def warm(name: str) -> None:
+        if name != NO_SPEC:  # warmed first, below
+            roll_out(name)
+
+    try:
+        # No speculation's warm-up; on the tail shape it fixes every later run's lengths.
+        reference = roll_out(NO_SPEC)
+        if cfg.shape == "tail":
+            lengths = [len(samples[0]) for samples in reference.responses]
+            workload["per_request"] = {**per_request, "max_tokens": lengths}
+            workload["sampling"] = {**sampling, "ignore_eos": True}
+        timed = run_protocol(
+            {name: (lambda name=name: roll_out(name)) for name in rows},
+            warm,
+            cfg.repeats,
+            seed,
+            lambda msg: log(f"comparison: {msg}"),
+        )
     finally:
         ray.get(plain.shutdown.remote())
         ray.kill(plain)
-    return {
-        name: {**run.summary(), "tail_s": tail_phase_s(run.finished_s)}
-        for name, run in runs.items()
-    }
+    base_s = [run.wall_s for run in timed.runs[NO_SPEC]]
+    out = {}
+    for name, runs in timed.runs.items():
+        summaries = [{**run.summary(), "tail_s": tail_phase_s(run.finished_s)} for run in runs]
+        out[name] = {
+            **{
+                key: statistics.median(s[key] for s in summaries)
+                for key in ("tokens", "wall_s", "tokens_per_s", "tail_s", "mean_acceptance_length")
+            },
+            "k_steps": summaries[-1]["k_steps"],
+            "speedup": speedup(base_s, [run.wall_s for run in runs], seed=seed).to_dict(),
+            "repeats": summaries,
+            "others_cpu_share": timed.busy[name],
+        }
+    out[NO_SPEC]["orders"] = timed.orders
+    return out
 
 
 def comparison_table(runs: dict[str, dict], requests: str) -> str:
     """`compare_rollout`'s result, side by side. `requests`: what was rolled out."""
-    base = runs[NO_SPEC]
     lines = [
         f"| rollout of {requests} | tokens | seconds | tokens/s | vs no speculation "
-        "| tail phase s | mean acceptance length | steps per k |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tail phase s | mean acceptance length | steps per k | 95% interval | verdict "
+        "| others' CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, v in runs.items():
         ks = ", ".join(
             f"{k}: {n}" for k, n in sorted(v["k_steps"].items(), key=lambda kv: int(kv[0]))
         )
-        ks = ks or "-"
+        ratio = v["speedup"]
+        busy = [s for s in v["others_cpu_share"] if s is not None]
         lines.append(
-            f"| {name} | {v['tokens']} | {v['wall_s']:.1f} | {v['tokens_per_s']:.1f} | "
-            f"{base['wall_s'] / v['wall_s']:.2f}x | {v['tail_s']:.1f} | "
-            f"{v['mean_acceptance_length']:.2f} | {ks} |"
+            f"| {name} | {v['tokens']:.0f} | {v['wall_s']:.1f} | {v['tokens_per_s']:.1f} | "
+            f"{ratio['median']:.2f}x | {v['tail_s']:.1f} | {v['mean_acceptance_length']:.2f} | "
+            f"{ks or '-'} | [{ratio['low']:.2f}, {ratio['high']:.2f}] | "
+            f"{'-' if name == NO_SPEC else ratio['verdict']} | "
+            f"{f'{max(busy):.0%}' if busy else 'not measured'} |"
         )
+    repeats = len(runs[NO_SPEC]["repeats"])
+    lines.append(
+        f"\nMedians of {repeats} repeats, each configuration warmed on this workload first and "
+        "the order shuffled each repeat; the speedup's 95% interval is a bootstrap over the "
+        "paired repeats, and a gain or loss is called only when it excludes 1.0. Others' "
+        "CPU: the most that other processes took of the machine during one of the row's runs."
+    )
     return "\n".join(lines)
 
 
