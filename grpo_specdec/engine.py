@@ -23,6 +23,7 @@ from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, s
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.patches import group_drafts_v0_32, runner_name
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
+from vllm_plugin.settings import engine_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class Engine:
 
         kwargs = dict(
             model=cfg.model,
-            dtype=cfg.dtype,
+            dtype=engine_dtype(cfg.model, cfg.dtype),
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),

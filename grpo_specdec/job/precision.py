@@ -4,28 +4,14 @@ Measured with `python benchmarks/learner_precision.py` on this project's 2-core 
 (AVX512-BF16, no AMX): one SmolLM2-135M learner step on 32 sequences of 192 tokens takes
 45.6 s in fp32 and 18.5 s under bf16 autocast (2.46x), with gradients at cosine 0.9997.
 Without bfloat16 instructions the CPU emulates it and autocast loses, so `auto` asks the
-CPU.
+CPU (an AVX2-only EPYC: a 512x512 matmul takes 2.8 ms in fp32 and 215 ms in bf16).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bfloat16 arithmetic (Linux reports it in /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return any(flag in line.split() for flag in _BF16_CPU_FLAGS)
-    return False
+from vllm_plugin.settings import cpu_has_bf16
 
 
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
