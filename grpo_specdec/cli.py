@@ -148,6 +148,7 @@ def _train(args) -> None:
             cfg.compare, r.prompts_per_iteration, r.group_size, r.max_tokens
         )
         print(comparison_table(comparison, compared))
+        _write_json(str(Path(cfg.out) / "comparison.json"), comparison)
     print(job.vllm_log.summary())
     print(cfg.out)
 
@@ -211,6 +212,53 @@ def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
         default=None,
         help="context length (default: the model's limit, capped to what the KV cache holds)",
     )
+
+
+def _eval(args) -> None:
+    from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+    from grpo_specdec.evaluate import (
+        arithmetic_eval_set,
+        evaluate,
+        jsonl_eval_set,
+        policy_folder,
+        report_line,
+    )
+    from grpo_specdec.job.models import resolve_model
+
+    if args.data:
+        examples = jsonl_eval_set(args.data, args.num)
+    else:
+        levels = [int(x) for x in args.levels.split(",")]
+        if any(not 1 <= lvl <= 4 for lvl in levels):
+            raise ValueError(f"--levels must lie in 1..4, got {args.levels}")
+        examples = arithmetic_eval_set(args.seed, levels, args.num or 200)
+    model = resolve_model(args.model)
+    model = model if model != args.model else policy_folder(args.model)
+    engine = Engine(
+        EngineConfig(
+            model=model,
+            dtype=args.dtype,
+            # the model's own limit (8192 for SmolLM2) makes every CPU decode step several
+            # times slower: a held-out prompt and its answer need far less
+            max_model_len=args.max_model_len or 1024,
+            kv_cache_gib=args.kv_cache_gib,
+            seed=0,
+            enforce_eager=args.eager,
+        )
+    )
+
+    def generate(prompts: list[str], sampling: dict) -> list[list[str]]:
+        result = engine.generate(prompts, SamplingSettings(**sampling, seed=0))
+        return [[s.text for s in group] for group in result.outputs]
+
+    try:
+        report = evaluate(generate, examples, args.max_tokens, args.samples, args.temperature)
+    finally:
+        engine.shutdown()
+    report |= {"model": model, "data": args.data or f"arithmetic levels {args.levels}"}
+    if args.json:
+        _write_json(args.json, report)
+    print(report_line(report))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,6 +366,34 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--steps", type=int, default=16)
     prof.add_argument("--eager", action="store_true")
     prof.set_defaults(func=_profile)
+
+    ev = sub.add_parser(
+        "eval", help="held-out accuracy of a policy: greedy, with a 95%% interval (and mean@G)"
+    )
+    ev.add_argument(
+        "--model",
+        required=True,
+        help="a model folder, 'smollm2', a checkpoint folder or a run folder (its latest)",
+    )
+    ev.add_argument("--data", default=None, help="GSM8K-format JSONL ('... #### N' answers)")
+    ev.add_argument(
+        "--task",
+        default="arithmetic",
+        choices=["arithmetic"],
+        help="without --data: the arithmetic task's held-out split (never trained on)",
+    )
+    ev.add_argument("--levels", default="1,2", help="arithmetic levels, in turn")
+    ev.add_argument("--seed", type=int, default=0, help="the training data's seed (data.seed)")
+    ev.add_argument("--num", type=int, default=None, help="examples (default: 200 / the file)")
+    ev.add_argument("--max-tokens", type=int, default=256)
+    ev.add_argument("--samples", type=int, default=0, help="also mean@G over G samples")
+    ev.add_argument("--temperature", type=float, default=1.0, help="of the --samples")
+    ev.add_argument("--dtype", default="auto")
+    _max_model_len_arg(ev)
+    ev.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ev.add_argument("--eager", action="store_true", help="skip torch.compile (faster start)")
+    ev.add_argument("--json", default=None, help="also write the report here")
+    ev.set_defaults(func=_eval)
 
     train = sub.add_parser("train", help="run the GRPO job on Ray")
     train.add_argument("--config", required=True, help="configs/NAME.yaml")

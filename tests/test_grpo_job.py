@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -82,12 +84,16 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         job.run()
         records = job_records(out)
         assert [r["iteration"] for r in records] == [1, 2]
-        # Group drafts: both sources drafted and had tokens accepted, and the engine keeps
-        # the rollouts it made.
+        # Group drafts: both sources drafted, the group's tokens were accepted, and the
+        # engine keeps the rollouts it made. (The tiny head's own drafts at T = 1 are few
+        # here, ~12 tokens, once the controller prices them against the group's: whether
+        # any is accepted depends on the machine's sampling draws; tests/test_draft_swap.py
+        # and tests/test_sampled_drafts.py measure the head's acceptance.)
         for source in ("model", "group"):
             drafted = sum(r[f"{source}_draft_tokens"] for r in records)
             accepted = sum(r[f"{source}_accepted_tokens"] for r in records)
-            assert 0 < accepted <= drafted, (source, accepted, drafted)
+            assert 0 <= accepted <= drafted and drafted > 0, (source, accepted, drafted)
+        assert sum(r["group_accepted_tokens"] for r in records) > 0
         assert records[-1]["group_history_positions"] >= 16 * records[-1]["response_length"]
         for key in (
             "reward_mean",
@@ -104,6 +110,18 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
             "k_steps",
         ):
             assert key in records[-1], key
+        # Held-out evaluation before training and after the last iteration (every 5: none
+        # between), in eval.jsonl and in the evaluated iteration's record.
+        evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+        assert [e["iteration"] for e in evals] == [0, 2]
+        for e in evals:
+            assert e["examples"] == 16 and e["interval"][0] <= e["accuracy"] <= e["interval"][1]
+        assert records[-1]["eval_accuracy"] == evals[-1]["accuracy"]
+        assert "eval_accuracy" not in records[0]
+        # The rollout policy's token entropy, from the learner's logits: positive, below
+        # the uniform distribution's over the tiny vocabulary.
+        vocab = json.loads((Path(tiny_target) / "config.json").read_text())["vocab_size"]
+        assert all(0 < r["policy_entropy"] < math.log(vocab) for r in records)
         assert any(
             p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir()
         )
@@ -239,10 +257,21 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     assert spec[6] != "-", spec
     assert {pair.split(":")[0] for pair in fixed[6].split(", ")} <= {"0", "2"} and "2:" in fixed[6]
     assert float(fixed[5]) > 1.0, fixed
-    # A row's ratio is no speculation's measured time over its own.
+    # Under the protocol: each ratio is the median over the repeats of no speculation's
+    # time over the row's, inside its own 95% interval, with a verdict only outside 1.0; the
+    # others' CPU share during the runs was measured (this machine has /proc).
     for row in (spec, fixed):
-        ratio, p, s = float(row[3].removesuffix("x")), float(plain[1]), float(row[1])
-        assert (p - 0.05) / (s + 0.05) - 0.005 <= ratio <= (p + 0.05) / (s - 0.05) + 0.005, row
+        ratio = float(row[3].removesuffix("x"))
+        low, high = (float(x) for x in row[7].strip("[]").split(", "))
+        assert low <= ratio <= high, row
+        expected = "gain" if low > 1 else "loss" if high < 1 else "no clear difference"
+        assert row[8] == expected, row
+    for row in (plain, spec, fixed):
+        assert row[9].endswith("%"), row
+    assert "Medians of 3 repeats" in resumed.stdout
+    saved = json.loads((out / "comparison.json").read_text())
+    assert len(saved["no speculation"]["orders"]) == 3
+    assert all(len(v["repeats"]) == 3 for v in saved.values())
 
 
 def test_resumed_engine_reports_the_checkpoint_weight_versions(

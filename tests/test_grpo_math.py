@@ -119,3 +119,16 @@ def test_gsm8k_jsonl_errors_name_file_and_line(tmp_path):
     empty.write_text("\n")
     with pytest.raises(ValueError, match="holds no examples"):
         JsonlSource(empty)
+
+
+def test_token_entropy_is_that_of_the_distribution_each_next_token_is_sampled_from():
+    from grpo_specdec.job.roles import token_entropy
+
+    vocab = 50
+    logits = torch.zeros(2, 4, vocab)
+    logits[1, :, 7] = 100.0  # certain of token 7
+    h = token_entropy(logits)
+    assert h.shape == (2, 4)  # aligned with the positions whose token it governs
+    assert h[:, 0].tolist() == [0.0, 0.0]
+    assert torch.allclose(h[0, 1:], torch.full((3,), math.log(vocab)))
+    assert torch.all(h[1, 1:] < 1e-6)

@@ -30,6 +30,11 @@ class DataSettings(StrictModel):
     path: str | None = Field(None, description="GSM8K-format JSONL when source is jsonl")
     levels: list[int] = Field([1, 2], min_length=1)
     seed: int = 0
+    eval_path: str | None = Field(
+        None,
+        description="GSM8K-format JSONL of held-out problems for the job's evaluation; "
+        "default: the arithmetic task's held-out split (grpo_specdec/evaluate.py)",
+    )
 
     @model_validator(mode="after")
     def _path_for_jsonl(self) -> DataSettings:
@@ -112,6 +117,17 @@ class PolicySettings(StrictModel):
     )
 
 
+class EvalSettings(StrictModel):
+    """Validation on held-out problems (`data.eval_path`, or the arithmetic task's held-out
+    split at `data.levels`): greedy accuracy with a 95% interval, before training, every
+    `every` iterations and after the last."""
+
+    every: int = Field(5, ge=0, description="iterations between evaluations; 0: none at all")
+    examples: int = Field(200, ge=1, description="held-out problems (at most the file's)")
+    max_tokens: int | None = Field(None, ge=1, description="default: rollout.max_tokens")
+    samples: int = Field(0, ge=0, description="also mean@G over this many samples at T = 1")
+
+
 class DraftSettings(StrictModel):
     online: bool = Field(True, description="keep training the draft on each rollout")
     train: DraftTrainConfig = DraftTrainConfig()
@@ -163,6 +179,12 @@ class CompareSettings(StrictModel):
     fixed_k: list[int] = Field(
         [], description="also roll it out with the job's engine at each of these fixed k"
     )
+    repeats: int = Field(
+        3,
+        ge=1,
+        description="timed rounds after one warm-up per configuration, each in a new shuffled "
+        "order; ratios are their median with a 95% interval (grpo_specdec/measure.py)",
+    )
 
     def cap_and_median(self, max_tokens: int) -> tuple[int, int]:
         """tail: the global cap and the budgets' median, defaults filled from the rollout's."""
@@ -176,6 +198,7 @@ class TrainConfig(StrictModel):
     rollout: RolloutSettings = RolloutSettings()
     policy: PolicySettings = PolicySettings()
     draft: DraftSettings = DraftSettings()
+    eval: EvalSettings = EvalSettings()
     ray: RaySettings = RaySettings()
     iterations: int = Field(20, ge=1)
     checkpoint_every: int = Field(5, ge=1)

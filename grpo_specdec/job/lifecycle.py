@@ -132,8 +132,9 @@ class Roles:
         self.rollouts, self.policies, self.draft = [], [], None
 
     # ---- each iteration --------------------------------------------------------------
-    def roll_out(self, batch: Batch) -> list[Rollout]:
-        """Consecutive prompt groups to each engine, side by side; their rollouts in order."""
+    def roll_out(self, batch: Batch, fixed_k: int | None = None) -> list[Rollout]:
+        """Consecutive prompt groups to each engine, side by side; their rollouts in order.
+        `fixed_k`: every engine drafts exactly that (0: none), its own policy put back after."""
         prompts, seeds, budgets = batch.prompts, batch.seeds, batch.budgets
         n = len(self.rollouts)
         parts = [shard(len(prompts), i, n) for i in range(n)]
@@ -144,6 +145,7 @@ class Roles:
                     batch.sampling,
                     seeds and [seeds[i] for i in part],
                     budgets and [budgets[i] for i in part],
+                    fixed_k,
                 )
                 for engine, part in zip(self.rollouts, parts, strict=True)
             ]

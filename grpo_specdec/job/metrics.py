@@ -116,6 +116,15 @@ class MetricsSink:
             tok_s=f"{record['tokens_per_s']:.0f}",
         )
 
+    def write_eval(self, report: dict) -> None:
+        """A held-out evaluation (`Job.evaluate`): a line of eval.jsonl, and TensorBoard."""
+        with (self.path.parent / "eval.jsonl").open("a") as f:
+            f.write(json.dumps(report) + "\n")
+        for key in ("accuracy", "mean_at_g", "answer_format"):
+            if key in report:
+                self.tensorboard.add_scalar(f"eval/{key}", report[key], report["iteration"])
+        self.bar.clear()  # the progress bar redraws below the message the job prints next
+
     def rewind(self, iteration: int) -> None:
         """The job went back to `iteration` (a restart): the bar shows it."""
         self.bar.n = iteration

@@ -81,6 +81,13 @@ def response_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(logp, (1, 0))
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The entropy at T = 1 of the distribution each position samples its next token from,
+    aligned like `response_logprobs` (the entropy behind position t+1's token at t+1)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
 def _response_mask(ids_mask: torch.Tensor, prompt_lens: list[int]) -> torch.Tensor:
     mask = ids_mask.clone().bool()
     for i, p in enumerate(prompt_lens):
@@ -132,6 +139,7 @@ class PolicyLearner:
         self._shard: range = range(0)
         self._old_logp: dict[int, torch.Tensor] = {}
         self._ref_logp: dict[int, torch.Tensor] = {}
+        self._entropy: dict[str, float] = {}
 
     def rendezvous(self) -> str:
         """Rank 0: an address on this node for the ranks to meet at."""
@@ -184,11 +192,15 @@ class PolicyLearner:
         self._batch = batch
         self._shard = sharding.shard(len(batch.token_ids), self.rank, self.world)
         self._old_logp, self._ref_logp, seqs = {}, {}, []
+        self._entropy = {"entropy_sum": 0.0, "entropy_tokens": 0.0}
         for idx, ids, mask in self._micro_batches(list(self._shard)):
             hidden, logits = self._forward(self.model, ids, mask)
             ref_logits = self._forward(self.ref, ids, mask)[1] if self.ref is not None else None
             if not idx:
                 continue
+            resp = _response_mask(mask, [batch.prompt_lens[i] for i in idx])
+            self._entropy["entropy_sum"] += float(token_entropy(logits)[resp].sum())
+            self._entropy["entropy_tokens"] += float(resp.sum())
             self._old_logp |= dict(zip(idx, response_logprobs(logits, ids).cpu(), strict=True))
             if self.ref is not None:
                 self._ref_logp |= dict(
@@ -216,6 +228,12 @@ class PolicyLearner:
         batch = self._batch
         chosen = [i for i, keep in enumerate(batch.informative) if keep]
         stats = {"policy_sequences": len(chosen), "policy_steps": 0}
+        entropy = self._entropy
+        if self.world > 1:
+            entropy = sharding.all_reduce_sums(entropy, list(entropy), self.device)
+        # The rollout policy's mean token entropy at T = 1 over every response (verl's
+        # actor/entropy): a sharpening policy's falls.
+        stats["policy_entropy"] = entropy["entropy_sum"] / max(entropy["entropy_tokens"], 1.0)
         if not chosen:
             return stats
         mine = [i for i in chosen if i in self._shard]

@@ -21,9 +21,10 @@ from pathlib import Path
 import ray
 import torch
 
+from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, jsonl_eval_set, report_line
 from grpo_specdec.grpo.core import group_advantages
 from grpo_specdec.job.actors import start_ray
-from grpo_specdec.job.batches import batch_at, prompt_source
+from grpo_specdec.job.batches import Batch, batch_at, prompt_source
 from grpo_specdec.job.checkpoints import Checkpointer, read_state
 from grpo_specdec.job.compare import compare_rollout
 from grpo_specdec.job.config import TrainConfig
@@ -53,6 +54,11 @@ class Job:
         self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
         self.log(f"vLLM's messages go to {self.vllm_log.path} (errors also here)")
         self.source = prompt_source(cfg.data)
+        self.eval_examples = (
+            jsonl_eval_set(cfg.data.eval_path, cfg.eval.examples)
+            if cfg.data.eval_path
+            else arithmetic_eval_set(cfg.data.seed, cfg.data.levels, cfg.eval.examples)
+        )
         self.weight_dtype = str(next(iter(read_manifest(base_policy).values()))[1]).removeprefix(
             "torch."
         )
@@ -77,6 +83,8 @@ class Job:
             random.seed(self.cfg.seed)
         self.draft_version = self.roles.start(ckpt)  # the newest draft version issued
         truncate_records(self.out / "metrics.jsonl", self.iteration)
+        # an evaluation before training is made again with it
+        truncate_records(self.out / "eval.jsonl", self.iteration or -1)
 
     def _restart(self, reason: str) -> None:
         """An actor died: rebuild every role from the newest checkpoint (or the start) and
@@ -125,6 +133,25 @@ class Job:
             sync,
         )
 
+    def evaluate(self) -> dict:
+        """Held-out accuracy of the policy the engines serve now (`grpo_specdec/evaluate.py`),
+        greedy, spread over the engines; drafting is off for it, so that the controllers'
+        acceptance estimates stay those of the rollouts' temperature."""
+        e = self.cfg.eval
+        fixed_k = 0 if self.cfg.rollout.speculation == "concurrency_aware" else None
+
+        def generate(prompts: list[str], sampling: dict) -> list[list[str]]:
+            batch = Batch(self.eval_examples, {**sampling, "top_p": 1.0}, None)
+            return Rollout.gather(self.roles.roll_out(batch, fixed_k)).texts
+
+        max_tokens = e.max_tokens or self.cfg.rollout.max_tokens
+        report = evaluate(generate, self.eval_examples, max_tokens, e.samples)
+        return {"iteration": self.iteration, **report}
+
+    def _evaluate_now(self) -> bool:
+        every = self.cfg.eval.every
+        return every > 0 and (self.iteration % every == 0 or self.iteration == self.cfg.iterations)
+
     def checkpoint(self) -> Path:
         return self.checkpointer.write(
             self.iteration, self.cursor, self.cfg.model_dump(), self.roles.save
@@ -134,6 +161,8 @@ class Job:
         records = []
         consecutive_failures = 0
         with MetricsSink(self.out, self.iteration, self.cfg.iterations) as metrics:
+            if self.iteration == 0 and self._evaluate_now():  # before training
+                self._log_eval(metrics, self.evaluate())
             while self.iteration < self.cfg.iterations:
                 try:
                     record = self.step()
@@ -149,6 +178,10 @@ class Job:
                     metrics.rewind(self.iteration)
                     continue
                 consecutive_failures = 0
+                if self._evaluate_now():
+                    report = self.evaluate()
+                    self._log_eval(metrics, report)
+                    record |= {f"eval_{k}": v for k, v in report.items() if k != "iteration"}
                 records.append(record)
                 metrics.write(record)
                 if (
@@ -158,6 +191,10 @@ class Job:
                     self.checkpoint()
         return records
 
+    def _log_eval(self, metrics: MetricsSink, report: dict) -> None:
+        metrics.write_eval(report)
+        self.log(report_line(report, f"iteration {report['iteration']}: held-out"))
+
     def compare_rollout(self) -> dict[str, dict]:
         """The next batch rolled out with and without speculation (`compare.py`), from a
         checkpoint of the final weights."""
@@ -166,7 +203,13 @@ class Job:
             ckpt = self.checkpoint()
         batch = batch_at(self.source, self.cursor, self.cfg.rollout, self.cfg.seed)
         return compare_rollout(
-            self.roles, ckpt, batch, self.cfg.rollout.speculation, self.cfg.compare, self.cfg.seed
+            self.roles,
+            ckpt,
+            batch,
+            self.cfg.rollout.speculation,
+            self.cfg.compare,
+            self.cfg.seed,
+            self.log,
         )
 
     def shutdown(self) -> None:
