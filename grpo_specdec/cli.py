@@ -128,7 +128,7 @@ def _train(args) -> None:
     from grpo_specdec.config import load_yaml
     from grpo_specdec.job.compare import comparison_table, what_is_compared
     from grpo_specdec.job.config import TrainConfig
-    from grpo_specdec.job.metrics import summary_table
+    from grpo_specdec.job.metrics import held_out_line, summary_table
     from grpo_specdec.job.run import Job
 
     overrides = list(args.overrides)
@@ -142,6 +142,9 @@ def _train(args) -> None:
     finally:
         job.shutdown()
     print(summary_table(records))
+    evals = Path(cfg.out) / "eval.jsonl"
+    if evals.is_file():
+        print(held_out_line([json.loads(x) for x in evals.read_text().splitlines()]))
     if comparison:
         r = cfg.rollout
         compared = what_is_compared(
@@ -261,6 +264,14 @@ def _eval(args) -> None:
     print(report_line(report))
 
 
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine settings of a command that starts one engine."""
+    p.add_argument("--dtype", default="auto")
+    _max_model_len_arg(p)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--eager", action="store_true", help="skip torch.compile (faster start)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo-specdec", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -295,10 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--raw", action="store_true", help="send prompts as raw text, no chat template"
     )
-    gen.add_argument("--dtype", default="auto")
-    _max_model_len_arg(gen)
-    gen.add_argument("--kv-cache-gib", type=float, default=1.0)
-    gen.add_argument("--eager", action="store_true", help="skip torch.compile (faster start)")
+    _engine_args(gen)
     gen.add_argument("--json", required=True, help="where to write the outputs and metrics")
     gen.set_defaults(func=_generate)
 
@@ -388,10 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=256)
     ev.add_argument("--samples", type=int, default=0, help="also mean@G over G samples")
     ev.add_argument("--temperature", type=float, default=1.0, help="of the --samples")
-    ev.add_argument("--dtype", default="auto")
-    _max_model_len_arg(ev)
-    ev.add_argument("--kv-cache-gib", type=float, default=1.0)
-    ev.add_argument("--eager", action="store_true", help="skip torch.compile (faster start)")
+    _engine_args(ev)
     ev.add_argument("--json", default=None, help="also write the report here")
     ev.set_defaults(func=_eval)
 

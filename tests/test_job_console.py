@@ -35,5 +35,9 @@ def test_console_carries_no_vllm_warnings_and_the_log_file_all_of_them(
     assert not [line for line in console.splitlines() if _VLLM_RECORD.search(line)], console
     # The tables a user came for, and the count of what went to the file.
     assert "| reward mean |" in proc.stdout and "| no speculation |" in proc.stdout
+    # per iteration, and the held-out accuracy before training and after the last iteration
+    assert "| iteration | reward mean | accuracy | token entropy |" in proc.stdout
+    assert "held-out greedy accuracy (16 problems): iteration 0 " in proc.stdout
+    assert " -> iteration 1 " in proc.stdout
     warnings = sum(" WARNING [vllm" in line for line in log.read_text().splitlines())
     assert f"vLLM: {warnings} warnings, 0 errors in {log}" in proc.stdout.splitlines()

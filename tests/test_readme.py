@@ -51,7 +51,14 @@ def test_models_and_generation_commands_run_as_written(tmp_path):
     tiny_block, smollm2_block = section_commands("Models and generation", "docs/USAGE.md")
     for command in tiny_block:
         run(command, tmp_path)
-    for name in ("out.json", "out_spec.json", "out_sampled.json", "out_ca.json", "profile.json"):
+    for name in (
+        "out.json",
+        "out_spec.json",
+        "out_sampled.json",
+        "out_ca.json",
+        "profile.json",
+        "eval.json",
+    ):
         assert (tmp_path / name).is_file(), f"documented commands wrote no {name}"
     assert any(SMOLLM2 in c for c in smollm2_block)
     for command in smollm2_block:

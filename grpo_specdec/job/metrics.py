@@ -152,4 +152,35 @@ def summary_table(records: list[dict]) -> str:
     lines += [
         f"| {name} | {mean(first, k):{fmt}} | {mean(last, k):{fmt}} |" for name, k, fmt in rows
     ]
+    lines += [
+        "",
+        "| iteration | reward mean | accuracy | token entropy | mean acceptance length "
+        "| held-out accuracy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        entropy = f"{r['policy_entropy']:.3f}" if "policy_entropy" in r else "-"
+        held_out = f"{r['eval_accuracy']:.3f}" if "eval_accuracy" in r else ""
+        lines.append(
+            f"| {r['iteration']} | {r['reward_mean']:.3f} | {r['accuracy']:.3f} | {entropy} "
+            f"| {r['mean_acceptance_length']:.2f} | {held_out} |"
+        )
     return "\n".join(lines)
+
+
+def held_out_line(evals: list[dict]) -> str:
+    """Held-out greedy accuracy before and after, from the run's evaluations."""
+    if not evals:
+        return "no held-out evaluation ran (eval.every=0)"
+    first, last = evals[0], evals[-1]
+    text = (
+        f"held-out greedy accuracy ({first['examples']} problems): iteration "
+        f"{first['iteration']} {first['accuracy']:.3f} [{first['interval'][0]:.3f}, "
+        f"{first['interval'][1]:.3f}]"
+    )
+    if last is not first:
+        text += (
+            f" -> iteration {last['iteration']} {last['accuracy']:.3f} "
+            f"[{last['interval'][0]:.3f}, {last['interval'][1]:.3f}]"
+        )
+    return text
