@@ -176,3 +176,17 @@ def test_acceptance_averages_over_runs_whose_drafts_reached_different_depths():
     # P(all of positions <= i accepted): one run drafted 3 deep, the other 2.
     mean = mean_conditional([[0.5, 0.25, 0.125], [0.8, 0.4]])
     assert mean == pytest.approx([0.65, 0.5, 0.5])
+
+
+def test_the_learning_run_s_reward_slope_has_an_interval_that_can_exclude_zero():
+    from benchmarks.learning_run import _slope
+
+    slope, low, high = _slope([0.1 + 0.01 * i for i in range(20)])
+    assert slope == pytest.approx(0.01) and low == pytest.approx(0.01)
+    assert high == pytest.approx(0.01)
+    rising = [0.05 + 0.01 * i + (0.03 if i % 2 else -0.03) for i in range(20)]
+    slope, low, high = _slope(rising)
+    assert 0 < low < slope < high
+    flat = [0.1 + (0.05 if i % 3 == 0 else -0.02) for i in range(20)]
+    _, low, high = _slope(flat)
+    assert low < 0 < high

@@ -1,0 +1,349 @@
+"""The learning run: the shipped recipe (configs/smollm2_arith.yaml) trained long enough to
+learn, and speculation measured side by side as the policy sharpens.
+
+    python benchmarks/learning_run.py                   # train (resuming a stopped run), measure, write
+    python benchmarks/learning_run.py --report-only     # the study from the saved JSON
+
+1. Training: `grpo-specdec train` on the shipped config with `--iterations`, a checkpoint at
+   the middle and the end; per iteration from its metrics.jsonl: reward, accuracy, the
+   policy's token entropy at T = 1, the online head's mean acceptance length (MAL) and its
+   lag behind the policy; the held-out greedy accuracy from eval.jsonl.
+2. At the start (SmolLM2 as shipped, the package's head), the middle and the end, that
+   point's policy rolls out the tail shape side by side under the measurement protocol
+   (`grpo_specdec/measure.py`: warmed, order shuffled per round, --repeats rounds): no
+   speculation, ours with the online head of that point, ours with the initial (frozen)
+   head, and fixed k. Every configuration makes exactly the tokens each request made in a
+   seeded rollout without speculation (EOS then ignored), so makespans compare equal work.
+Each part is saved to docs/assets/learning_run.json as it finishes; a rerun skips what is
+there (delete the file, or --fresh, to measure again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
+
+from benchmarks.common import (
+    ASSETS,
+    ROOT,
+    cli,
+    protocol_args,
+    quiet_machine,
+    write_study,
+)
+
+CONFIG = ROOT / "configs" / "smollm2_arith.yaml"
+SAVED = ASSETS / "learning_run.json"
+# The side-by-side rollout: the tail shape at the size the demo's comparison uses.
+PROMPTS, GROUP, CAP, MEDIAN = 4, 8, 512, 128
+FIXED_K = (2,)
+
+
+def train(args, data: dict) -> None:
+    from grpo_specdec.job.checkpoints import latest_checkpoint
+
+    out = Path(args.out)
+    ckpt = latest_checkpoint(out / "checkpoints") if (out / "checkpoints").is_dir() else None
+    start = time.time()
+    cli(
+        "train",
+        "--config",
+        str(CONFIG),
+        f"iterations={args.iterations}",
+        f"checkpoint_every={args.iterations // 2}",
+        f"out={out}",
+        *(["--resume", str(out)] if ckpt else []),
+    )
+    data["training"] = {
+        "records": [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()],
+        "evals": [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()],
+        "wall_s": time.time() - start,
+        "resumed": ckpt is not None,
+    }
+    SAVED.write_text(json.dumps(data, indent=1))
+
+
+def side_by_side(args, point: str, policy: str, online_head: str, initial_head: str) -> dict:
+    """The tail shape rolled out by `policy`: no speculation, ours with each head, fixed k."""
+    from benchmarks.rollout_throughput import Config, replay_lengths, run_config
+    from grpo_specdec.config import load_yaml
+    from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
+    from grpo_specdec.job.config import TrainConfig
+    from grpo_specdec.job.engine_setup import engine_config, latency_profile
+    from grpo_specdec.job.models import resolve_model
+    from grpo_specdec.measure import run_protocol, speedup
+    from grpo_specdec.tasks.arithmetic import make_problems
+    from grpo_specdec.tasks.tail_shape import tail_phase_s, with_budgets
+    from vllm_plugin.controller import FixedPolicy, GoodputPolicy, LatencyModel
+
+    cfg = load_yaml(TrainConfig, CONFIG, [])
+    profile = latency_profile(cfg, resolve_model("smollm2"), initial_head, print)
+    latency = LatencyModel.from_dict(json.loads(Path(profile).read_text())["latency"])
+    questions = [p.question for lvl in (1, 2) for p in make_problems(PROMPTS // 2, 97, lvl)]
+    shape = with_budgets(questions, GROUP, CAP, MEDIAN, 0.7, seed=5)
+    scheduling = {"max_num_batched_tokens": len(shape.prompts) * 256}  # prefills in one step
+
+    def engine(head: str | None) -> Engine:
+        fields = engine_config(cfg, policy, head, profile)
+        fields |= {"max_model_len": CAP + 256, "max_num_seqs": len(shape.prompts)}
+        if head is None:
+            fields["speculative"] = None
+        return Engine(EngineConfig.model_validate(fields), **scheduling)
+
+    plain, online, initial = engine(None), engine(online_head), engine(initial_head)
+    try:
+        sampling = SamplingSettings(temperature=1.0, max_tokens=CAP)
+        workload = ("tail", "tail", "", shape.prompts, sampling)
+        per_request = {"seeds": shape.seeds, "max_tokens": shape.max_tokens}
+        endings: dict[str, int] = {}
+        *_, exact, exact_per_request = replay_lengths(plain, (*workload, per_request), endings)
+
+        def ours(e: Engine) -> Config:
+            acceptance = e.scheduler().new_acceptance()
+            return Config(e, GoodputPolicy(latency, acceptance, len(shape.prompts)), acceptance)
+
+        configs = {
+            "no speculation": Config(plain),
+            "ours, online head": ours(online),
+            "ours, initial head": ours(initial),
+            **{
+                f"fixed k = {k}, online head": Config(
+                    online, FixedPolicy(k), online.scheduler().new_acceptance()
+                )
+                for k in FIXED_K
+            },
+        }
+        timed = run_protocol(
+            {
+                name: (lambda c=c: run_config(c, shape.prompts, exact, None, exact_per_request))
+                for name, c in configs.items()
+            },
+            repeats=args.repeats,
+            seed=args.order_seed,
+            progress=lambda msg: print(f"{point}: {msg}", flush=True),
+        )
+    finally:
+        for e in (plain, online, initial):
+            e.shutdown()
+    makespans = {n: [max(r["finished_s"]) for r in runs] for n, runs in timed.runs.items()}
+    base = makespans["no speculation"]
+    return {
+        "policy": policy,
+        "online_head": online_head,
+        "endings": endings,
+        "orders": timed.orders,
+        "configs": {
+            name: {
+                "makespan_s": statistics.median(makespans[name]),
+                "makespan_s_runs": makespans[name],
+                "tail_s": statistics.median(tail_phase_s(r["finished_s"]) for r in runs),
+                "tokens": runs[-1]["tokens"],
+                "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
+                "speedup": speedup(base, makespans[name]).to_dict(),
+                "others_cpu_share": timed.busy[name],
+            }
+            for name, runs in timed.runs.items()
+        },
+    }
+
+
+def points(args) -> dict[str, tuple[int, str, str]]:
+    """name -> (iteration, policy, its online head) at the start, middle and end."""
+    from grpo_specdec.job.models import resolve_model
+
+    ckpts = Path(args.out) / "checkpoints"
+    middle, end = args.iterations // 2, args.iterations
+    return {
+        "start": (0, resolve_model("smollm2"), resolve_model("smollm2-arith")),
+        "middle": (middle, str(ckpts / f"iter_{middle:06d}" / "policy"), ""),
+        "end": (end, str(ckpts / f"iter_{end:06d}" / "policy"), ""),
+    }
+
+
+def measure(args, data: dict) -> None:
+    from grpo_specdec.job.models import resolve_model
+
+    initial = resolve_model("smollm2-arith")
+    for name, (iteration, policy, head) in points(args).items():
+        if name in data.get("points", {}):
+            continue
+        head = head or str(Path(policy).parent / "draft")
+        result = side_by_side(args, name, policy, head, initial)
+        data.setdefault("points", {})[name] = {"iteration": iteration, **result}
+        SAVED.write_text(json.dumps(data, indent=1))
+
+
+def _slope(ys: list[float], boot: int = 4000) -> tuple[float, float, float]:
+    """Least-squares slope per iteration, and its 95% interval from a bootstrap over the
+    iterations (pairs resampled with replacement)."""
+    import random
+
+    def fit(points: list[tuple[int, float]]) -> float:
+        n = len(points)
+        mx = sum(x for x, _ in points) / n
+        my = sum(y for _, y in points) / n
+        sxx = sum((x - mx) ** 2 for x, _ in points)
+        return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+
+    points = list(enumerate(ys, 1))
+    rng = random.Random(0)
+    slopes = sorted(fit(rng.choices(points, k=len(points))) for _ in range(boot))
+    return fit(points), slopes[int(0.025 * (boot - 1))], slopes[int(0.975 * (boot - 1))]
+
+
+def report(data: dict) -> str:
+    records, evals = data["training"]["records"], data["training"]["evals"]
+    first, last = evals[0], evals[-1]
+    slope, low, high = _slope([r["reward_mean"] for r in records])
+    lines = [
+        f"Measured with `{data['command']}` on {data['hardware']}. {data['machine']['note']}",
+        "",
+        f"### Learning: {len(records)} iterations of the shipped recipe in "
+        f"{data['training']['wall_s'] / 60:.0f} minutes"
+        + (" (resumed once)" if data["training"]["resumed"] else ""),
+        "",
+        f"Held-out greedy accuracy ({first['examples']} problems never trained on, 95% Wilson "
+        f"interval): {first['accuracy']:.3f} [{first['interval'][0]:.3f}, "
+        f"{first['interval'][1]:.3f}] before training, {last['accuracy']:.3f} "
+        f"[{last['interval'][0]:.3f}, {last['interval'][1]:.3f}] after iteration "
+        f"{last['iteration']}: {last['accuracy'] / max(first['accuracy'], 1e-9):.2f}x, "
+        f"{100 * (last['accuracy'] - first['accuracy']):+.1f} points. Reward slope "
+        f"{slope:+.4f} per iteration, 95% interval [{low:+.4f}, {high:+.4f}].",
+        "",
+        "| iteration | reward | accuracy (train samples) | entropy at T=1 | MAL in the rollout "
+        "(online head) | head's top-1 on the rollout | draft lag | held-out greedy accuracy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by_eval = {e["iteration"]: e for e in evals}
+    if 0 in by_eval:
+        lines.append(f"| 0 | | | | | | | {by_eval[0]['accuracy']:.3f} |")
+    for r in records:
+        e = by_eval.get(r["iteration"])
+        held_out = f"{e['accuracy']:.3f}" if e else ""
+        drafted = any(int(k) > 0 for k in r["k_steps"])
+        mal = f"{r['mean_acceptance_length']:.2f}" if drafted else "none drafted (k = 0)"
+        lines.append(
+            f"| {r['iteration']} | {r['reward_mean']:.3f} | {r['accuracy']:.3f} | "
+            f"{r.get('policy_entropy', float('nan')):.3f} | {mal} | "
+            f"{r.get('draft_top1', float('nan')):.3f} | {r.get('draft_policy_lag', '-')} | "
+            f"{held_out} |"
+        )
+    lines += [
+        "",
+        f"### Speculation as the policy learns: the tail shape ({PROMPTS} prompts x {GROUP} "
+        f"samples, budgets log-normal around {MEDIAN} under a {CAP} cap), side by side",
+        "",
+        f"Makespan, median of {data['args']['repeats']} rounds after a warm-up, order shuffled "
+        "per round; speedup over no speculation paired by round with its 95% interval.",
+        "",
+        "| point | iteration | config | makespan s | speedup [95% interval] | verdict | MAL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, p in data.get("points", {}).items():
+        for config, v in p["configs"].items():
+            sp = v["speedup"]
+            lines.append(
+                f"| {name} | {p['iteration']} | {config} | {v['makespan_s']:.1f} | "
+                f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}] | "
+                f"{'-' if config == 'no speculation' else sp['verdict']} | {v['mal']:.2f} |"
+            )
+    lines += ["", "![learning curve and speedup](../assets/learning_run.png)"]
+    return "\n".join(lines)
+
+
+def plot(data: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records, evals = data["training"]["records"], data["training"]["evals"]
+    its = [r["iteration"] for r in records]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    axes[0].plot([e["iteration"] for e in evals], [e["accuracy"] for e in evals], "o-")
+    axes[0].fill_between(
+        [e["iteration"] for e in evals],
+        [e["interval"][0] for e in evals],
+        [e["interval"][1] for e in evals],
+        alpha=0.2,
+    )
+    axes[0].plot(its, [r["reward_mean"] for r in records], ":", label="reward (train)")
+    axes[0].set(title="held-out greedy accuracy", xlabel="iteration")
+    axes[0].legend()
+    axes[1].plot(its, [r.get("policy_entropy", float("nan")) for r in records])
+    axes[1].set(title="token entropy at T = 1", xlabel="iteration")
+    axes[2].plot(
+        its,
+        [
+            r["mean_acceptance_length"] if any(int(k) > 0 for k in r["k_steps"]) else float("nan")
+            for r in records
+        ],
+        "o-",
+        label="MAL in the rollout (where it drafted)",
+    )
+    axes[2].plot(its, [r.get("draft_top1", float("nan")) for r in records], label="head top-1")
+    axes[2].set(title="the online head", xlabel="iteration")
+    axes[2].legend(fontsize=7)
+    for config in ("ours, online head", "ours, initial head", "fixed k = 2, online head"):
+        pts = [(p["iteration"], p["configs"][config]) for p in data.get("points", {}).values()]
+        if pts:
+            axes[3].errorbar(
+                [i for i, _ in pts],
+                [v["speedup"]["median"] for _, v in pts],
+                yerr=[
+                    [v["speedup"]["median"] - v["speedup"]["low"] for _, v in pts],
+                    [v["speedup"]["high"] - v["speedup"]["median"] for _, v in pts],
+                ],
+                marker="o",
+                capsize=3,
+                label=config,
+            )
+    axes[3].axhline(1.0, color="grey", lw=0.8)
+    axes[3].set(title="tail-shape speedup vs no speculation", xlabel="iteration")
+    axes[3].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(ASSETS / "learning_run.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--out", default=str(ROOT / "runs" / "learning"))
+    ap.add_argument("--report-only", action="store_true", help="the study from the saved JSON")
+    ap.add_argument("--fresh", action="store_true", help="measure everything again")
+    protocol_args(ap)
+    args = ap.parse_args()
+    if args.report_only:
+        data = json.loads(SAVED.read_text())
+    else:
+        from vllm_plugin.settings import hardware_name
+
+        data = {} if args.fresh or not SAVED.is_file() else json.loads(SAVED.read_text())
+        data |= {
+            "machine": quiet_machine(args),
+            "hardware": hardware_name(),
+            "args": vars(args),
+            "command": shlex.join(["python", "benchmarks/learning_run.py", *sys.argv[1:]]),
+        }
+        ASSETS.mkdir(parents=True, exist_ok=True)
+        if "training" not in data:
+            train(args, data)
+        measure(args, data)
+    plot(data)
+    text = report(data)
+    write_study("learning_run", "The learning run (SmolLM2-135M, CPU)", text, "learning_run.py")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
