@@ -66,6 +66,8 @@ def train(args, data: dict) -> None:
         "evals": [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()],
         "wall_s": time.time() - start,
         "resumed": ckpt is not None,
+        "command": data["command"],
+        "machine": data["machine"],
     }
     SAVED.write_text(json.dumps(data, indent=1))
 
@@ -172,11 +174,16 @@ def measure(args, data: dict) -> None:
 
     initial = resolve_model("smollm2-arith")
     for name, (iteration, policy, head) in points(args).items():
-        if name in data.get("points", {}):
+        if name in data.get("points", {}) or name not in args.points.split(","):
             continue
         head = head or str(Path(policy).parent / "draft")
         result = side_by_side(args, name, policy, head, initial)
-        data.setdefault("points", {})[name] = {"iteration": iteration, **result}
+        data.setdefault("points", {})[name] = {
+            "iteration": iteration,
+            **result,
+            "command": data["command"],
+            "machine": data["machine"],
+        }
         SAVED.write_text(json.dumps(data, indent=1))
 
 
@@ -202,8 +209,10 @@ def report(data: dict) -> str:
     records, evals = data["training"]["records"], data["training"]["evals"]
     first, last = evals[0], evals[-1]
     slope, low, high = _slope([r["reward_mean"] for r in records])
+    training = data["training"]
     lines = [
-        f"Measured with `{data['command']}` on {data['hardware']}. {data['machine']['note']}",
+        f"Training measured with `{training.get('command', data['command'])}` on "
+        f"{data['hardware']}. {training.get('machine', data['machine'])['note']}",
         "",
         f"### Learning: {len(records)} iterations of the shipped recipe in "
         f"{data['training']['wall_s'] / 60:.0f} minutes"
@@ -242,6 +251,12 @@ def report(data: dict) -> str:
         "",
         f"Makespan, median of {data['args']['repeats']} rounds after a warm-up, order shuffled "
         "per round; speedup over no speculation paired by round with its 95% interval.",
+        "",
+        *[
+            f"The {name} point measured with `{p['command']}`. {p['machine']['note']}"
+            for name, p in data.get("points", {}).items()
+            if "command" in p
+        ],
         "",
         "| point | iteration | config | makespan s | speedup [95% interval] | verdict | MAL |",
         "|---|---|---|---|---|---|---|",
@@ -307,7 +322,8 @@ def plot(data: dict) -> None:
             )
     axes[3].axhline(1.0, color="grey", lw=0.8)
     axes[3].set(title="tail-shape speedup vs no speculation", xlabel="iteration")
-    axes[3].legend(fontsize=7)
+    if data.get("points"):
+        axes[3].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(ASSETS / "learning_run.png", dpi=110)
     plt.close(fig)
@@ -321,6 +337,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "learning"))
     ap.add_argument("--report-only", action="store_true", help="the study from the saved JSON")
     ap.add_argument("--fresh", action="store_true", help="measure everything again")
+    ap.add_argument(
+        "--points", default="start,middle,end", help="which side-by-side rollouts to measure"
+    )
     protocol_args(ap)
     args = ap.parse_args()
     if args.report_only:
