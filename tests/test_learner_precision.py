@@ -49,3 +49,15 @@ def test_auto_autocasts_where_the_hardware_has_bf16(monkeypatch):
         assert precision.autocast_dtype("auto", cuda) == torch.bfloat16
         assert precision.autocast_dtype("off", cuda) is None
         assert precision.autocast_dtype("bfloat16", cpu) == torch.bfloat16
+
+
+def test_engine_dtype_auto_is_float32_on_a_cpu_without_bf16(tiny_target, monkeypatch):
+    """vLLM 0.32 runs even a float32 checkpoint in bfloat16 on an x86 CPU, emulated where
+    the CPU has no bfloat16 instructions (~20x slower per step): there "auto" is float32."""
+    from vllm_plugin import settings
+
+    monkeypatch.setattr(settings, "cpu_has_bf16", lambda: False)
+    assert settings.engine_dtype(tiny_target, "auto") == "float32"
+    monkeypatch.setattr(settings, "cpu_has_bf16", lambda: True)
+    assert settings.engine_dtype(tiny_target, "auto") == "bfloat16"  # vLLM's own choice
+    assert settings.engine_dtype(tiny_target, "float16") == "float16"  # asked: kept

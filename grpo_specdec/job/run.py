@@ -83,8 +83,7 @@ class Job:
             random.seed(self.cfg.seed)
         self.draft_version = self.roles.start(ckpt)  # the newest draft version issued
         truncate_records(self.out / "metrics.jsonl", self.iteration)
-        # an evaluation before training is made again with it
-        truncate_records(self.out / "eval.jsonl", self.iteration or -1)
+        truncate_records(self.out / "eval.jsonl", self.iteration)
 
     def _restart(self, reason: str) -> None:
         """An actor died: rebuild every role from the newest checkpoint (or the start) and
@@ -162,6 +161,7 @@ class Job:
         consecutive_failures = 0
         with MetricsSink(self.out, self.iteration, self.cfg.iterations) as metrics:
             if self.iteration == 0 and self._evaluate_now():  # before training
+                truncate_records(self.out / "eval.jsonl", -1)  # an earlier start's
                 self._log_eval(metrics, self.evaluate())
             while self.iteration < self.cfg.iterations:
                 try:
