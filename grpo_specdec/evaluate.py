@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grpo_specdec.tasks.datasets import ArithmeticSource, Example, JsonlSource
-from grpo_specdec.tasks.rewards import extract_answer, has_answer_format
+from grpo_specdec.tasks.rewards import has_answer_format, is_correct
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out split's seed, from the training data's
 TRAIN_QUESTIONS_CHECKED = 10_000  # ~40x what 60 minutes of the shipped recipe trains on
@@ -49,11 +49,6 @@ def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def is_correct(text: str, answer: float) -> bool:
-    got = extract_answer(text)
-    return got is not None and abs(got - answer) < 1e-6
 
 
 def score(examples: list[Example], greedy: list[str], sampled: list[list[str]] | None) -> dict:

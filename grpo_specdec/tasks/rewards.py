@@ -35,11 +35,15 @@ def has_answer_format(text: str) -> bool:
     return bool(_BOXED.search(text) or _ANSWER_IS.search(text))
 
 
+def is_correct(text: str, answer: float) -> bool:
+    """Whether the response's final answer is the right number."""
+    got = extract_answer(text)
+    return got is not None and abs(got - answer) < 1e-6
+
+
 def reward(text: str, answer: float, format_bonus: float = 0.1) -> float:
     """1 for the right final number, plus `format_bonus` when it is stated explicitly."""
-    got = extract_answer(text)
-    correct = got is not None and abs(got - answer) < 1e-6
-    return float(correct) + (format_bonus if has_answer_format(text) else 0.0)
+    return float(is_correct(text, answer)) + (format_bonus if has_answer_format(text) else 0.0)
 
 
 def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int, penalty: float = 1.0) -> float:
