@@ -101,7 +101,7 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
 
     plain, online, initial = engine(None), engine(online_head), engine(initial_head)
     try:
-        sampling = SamplingSettings(temperature=1.0, max_tokens=CAP)
+        sampling = SamplingSettings(temperature=cfg.rollout.temperature, max_tokens=CAP)
         workload = ("tail", "tail", "", shape.prompts, sampling)
         per_request = {"seeds": shape.seeds, "max_tokens": shape.max_tokens}
         endings: dict[str, int] = {}
@@ -333,7 +333,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--iterations", type=int, default=25)
     ap.add_argument("--out", default=str(ROOT / "runs" / "learning"))
     ap.add_argument("--report-only", action="store_true", help="the study from the saved JSON")
     ap.add_argument("--fresh", action="store_true", help="measure everything again")

@@ -35,7 +35,7 @@ from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_rec
 from grpo_specdec.job.models import resolve_model
 from grpo_specdec.job.roles import PolicyBatch
 from grpo_specdec.job.rollout_worker import Rollout
-from grpo_specdec.tasks.rewards import reward
+from grpo_specdec.tasks.rewards import is_correct, reward
 from vllm_plugin.manifest import read_manifest
 
 
@@ -101,7 +101,9 @@ class Job:
         rollout = Rollout.gather(per_engine)
         seconds["generation"] = lap()
 
-        rewards, correct = _rewards(batch.examples, rollout.texts)
+        rewards, correct = _rewards(
+            batch.examples, rollout.texts, self.cfg.reward.format_bonus
+        )
         advantages, informative = group_advantages(rewards)
         learning = self.roles.learn(
             PolicyBatch.of(rollout, advantages, informative), self.draft_version
@@ -218,11 +220,13 @@ class Job:
         self.vllm_log.close()
 
 
-def _rewards(examples: list, texts: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _rewards(
+    examples: list, texts: list[list[str]], format_bonus: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[prompt, sample] rule rewards, and whether each answer is right."""
     pairs = list(zip(examples, texts, strict=True))
-    rewards = torch.tensor([[reward(t, e.answer) for t in ts] for e, ts in pairs])
-    correct = torch.tensor([[float(reward(t, e.answer, 0.0) > 0) for t in ts] for e, ts in pairs])
+    rewards = torch.tensor([[reward(t, e.answer, format_bonus) for t in ts] for e, ts in pairs])
+    correct = torch.tensor([[float(is_correct(t, e.answer)) for t in ts] for e, ts in pairs])
     return rewards, correct
 
 
