@@ -32,7 +32,7 @@ from benchmarks.common import (
 )
 from grpo_specdec.engine import SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
-from vllm_plugin.controller import FixedPolicy, LatencyModel
+from vllm_plugin.controller import FixedPolicy, profile_latency
 from vllm_plugin.settings import hardware_name
 
 K = 3
@@ -65,7 +65,7 @@ def measure(
         ]
     finally:
         engine.shutdown()
-    lat = LatencyModel.from_dict(json.loads(profile.read_text())["latency"])
+    lat = profile_latency(json.loads(profile.read_text()))
     return {
         **acc,
         "draft_params": sum(t.numel() for k, t in head.items() if t.is_floating_point()),

@@ -43,7 +43,7 @@ from benchmarks.common import (
 )
 from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.tasks.arithmetic import make_problems
-from vllm_plugin.controller import HingeLatency, LatencyModel
+from vllm_plugin.controller import HingeLatency, LatencyModel, profile_latency
 from vllm_plugin.group_drafter import GroupDrafter
 from vllm_plugin.settings import hardware_name
 from vllm_plugin.suffix_index import GroupIndex
@@ -282,7 +282,7 @@ def main() -> None:
     runs = data[key]
 
     profile = smollm2_profile(target, smollm2_head(target), 5)
-    latency = LatencyModel.from_dict(load_json(profile)["latency"])
+    latency = profile_latency(load_json(profile))
     results = {}
     for policy, rounds in runs.items():
         res = results[policy] = {"by_k": {}, "threshold": {}}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +32,7 @@ from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.simulate import (
     NONE_UNPROFILED,
     VLLM_EXAMPLE_TABLES,
+    MeasuredSteps,
     Replay,
     UnprofiledCosts,
     Workload,
@@ -47,6 +48,7 @@ from vllm_plugin.controller import (
     GoodputPolicy,
     LatencyModel,
     PaperPolicy,
+    profile_latency,
 )
 
 GOAL, LIMIT = 0.07, 0.15  # within GOAL for >= 90% of configurations, none beyond LIMIT
@@ -183,7 +185,7 @@ def setup_of(config: str, model: str, data: dict, latency: LatencyModel, conditi
 def predict(m: Measured, data: dict, conditional, unprofiled: UnprofiledCosts) -> Replay:
     """The replay of a configuration; where the engine held fewer sequences than the
     workload has, one replay per wave of that many, back to back (exact for one slot)."""
-    latency = LatencyModel.from_dict(data["latency"])
+    latency = profile_latency(data)
     policy, cost, k_max, shipped_k0 = setup_of(m.config, m.model, data, latency, conditional)
     w, slots = m.workload, engine_slots(data["args"])
     waves = [
@@ -238,7 +240,7 @@ def fit_unprofiled(data: dict, shape: str) -> UnprofiledCosts:
     T(B) against B (sampling at T = 1) and against the tokens of context beyond the
     profile's (every running request has made as many tokens as steps have run, where
     k = 0)."""
-    latency = LatencyModel.from_dict(data["latency"])
+    latency = profile_latency(data)
     trace = data["traces"][shape]
     _, n_prompts, group, _ = SHAPES[shape]
     prompts = prompt_tokens([p.question for p in make_problems(n_prompts, seed=11, level=2)])
@@ -317,13 +319,22 @@ def current_configs(run: str, data: dict) -> list[Repeats]:
 
 def predict_repeats(r: Repeats, data: dict, conditional: np.ndarray) -> np.ndarray:
     """Each repeat's predicted makespan, from the profile of the configuration's drafting
-    and the costs that profile timed."""
+    and the costs that profile timed. Each step is priced by the profile's timed steps
+    (interpolated), not by the latency model the controller decides with."""
     profile = data["profiles"]["probabilistic" if r.config.startswith("sampled") else "greedy"]
-    latency = LatencyModel.from_dict(profile["latency"])
+    latency = profile_latency(profile)
     costs = UnprofiledCosts(**(profile.get("unprofiled") or {}))
     policy, cost, _, shipped_k0 = setup_of(r.config, r.model, data, latency, conditional)
+    # group drafts cost nothing to make: the timed steps less the fitted draft pass
+    steps = replace(
+        MeasuredSteps.from_profile(profile),
+        less_draft=latency.draft if cost.draft == NO_COST else NO_COST,
+    )
     return np.array(
-        [replay(cost, conditional, w, policy, costs, shipped_k0).makespan_s for w in r.workloads]
+        [
+            replay(cost, conditional, w, policy, costs, shipped_k0, steps).makespan_s
+            for w in r.workloads
+        ]
     )
 
 
@@ -366,7 +377,9 @@ def current_report(runs: dict[str, dict]) -> str:
         + "): the latency profiles were measured at the start of the run (profile format 5; "
         + "; ".join(f"{n} at {c}" for n, c in created.items())
         + "). Each configuration is predicted from the profile of its drafting (greedy or sampled) "
-        "with the prefill and T = 1 sampling costs that profile timed, and from the acceptance per "
+        "with the prefill and T = 1 sampling costs that profile timed; each step is priced by the "
+        "profile's timed steps (interpolated in B, and in k and B for the long-context cost), not by "
+        "the latency model the controller decides with; and from the acceptance per "
         "position the engine measured on the same workload with the same drafting at fixed "
         "k = k_max ('workload acceptance'), or on this configuration's own drafts ('own'). Each "
         "repeat is replayed with its own output lengths; predicted and measured are each the "

@@ -5,8 +5,9 @@ fixed k each step, for a grid of B and k. Step time is the interval between succ
 scheduler steps (model forward, sampling, drafting and bookkeeping: everything a step
 costs). The fit gives T(n), the step latency with n = B * (k + 1) tokens in the target
 forward, whose knee is C_peak, and D(B), the cost of one draft step over B sequences.
-A few of the (B, k) are timed again at a long context, for the attention term: what each
-query token pays per token of context it attends to (the tail of a rollout runs there).
+A few of the (B, k) are timed again at a long context (k = 0 and the largest k), for the
+attention term: what each sequence and each query token pay per token of context they
+attend to (the tail of a rollout runs there).
 Two costs the controller does not price are timed for the rollout simulator
 (`grpo_specdec.simulate.UnprofiledCosts`): each run's prefill step, per prompt token, and,
 where the profile drafts greedily, a few steps again sampling at T = 1, per verified token.
@@ -26,7 +27,13 @@ from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.engine_config import Dtype
 from grpo_specdec.tasks.arithmetic import make_problems
-from vllm_plugin.controller import FixedPolicy, LatencyModel, fit_attention, fit_latency
+from vllm_plugin.controller import (
+    FixedPolicy,
+    fit_attention,
+    fit_latency,
+    profile_latency,
+    timed_temperature,
+)
 from vllm_plugin.settings import profile_key, store_path
 
 
@@ -49,11 +56,6 @@ LONG_CONTEXT = 512  # prompt tokens of the long-context steps (at most half the 
 # Those of the profiled batch sizes timed at the long context and, for a greedy profile,
 # sampling at T = 1: at k = 0 and k_max.
 LONG_BATCHES = (1, 4, 16)
-
-
-def timed_temperature(draft_sampling: str) -> float:
-    """The temperature a profile's own steps sample at: sampled drafting is timed at T = 1."""
-    return 0.0 if draft_sampling == "greedy" else 1.0
 
 
 def _time_steps(
@@ -220,7 +222,7 @@ def plot_profile(profile: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    latency = LatencyModel.from_dict(profile["latency"])
+    latency = profile_latency(profile)
     temperature = timed_temperature(profile["key"].get("draft_sampling", "greedy"))
     rows = [  # the steps the latency model is fitted on
         r
@@ -292,8 +294,9 @@ def run_profile(
     log(
         f"C_peak {lat['c_peak']:.1f} tokens; T(n) = {lat['target']['flat']:.2f} + {lat['target']['slope']:.3f} * "
         f"max(n - {lat['target']['knee']:.0f}, 0) ms; D(B) = {lat['draft']['base']:.2f} + "
-        f"{lat['draft']['per_seq']:.3f} B ms; attention {1e6 * lat['attention']:.0f} ns per "
-        f"query token per context token beyond {lat['context']:.0f}; rms {profile['fit_rms_ms']:.2f} ms"
+        f"{lat['draft']['per_seq']:.3f} B ms; attention {1e6 * lat['attention_per_seq']:.0f} ns per "
+        f"sequence + {1e6 * lat['attention']:.0f} ns per query token, per context token beyond "
+        f"{lat['context']:.0f}; rms {profile['fit_rms_ms']:.2f} ms"
     )
     extra = profile["unprofiled"]
     if extra:

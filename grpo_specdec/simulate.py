@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from vllm_plugin.controller import (
+    NO_COST,
     FixedPolicy,
     FrozenAcceptance,
     GoodputPolicy,
     LatencyModel,
+    LinearCost,
     PaperPolicy,
     Policy,
     expected_tokens,
+    profile_latency,
+    timed_temperature,
 )
 
 TAIL_AFTER = 0.9  # the tail phase starts once this share of requests has finished
@@ -62,6 +67,87 @@ class UnprofiledCosts:
 
 
 NONE_UNPROFILED = UnprofiledCosts()
+
+
+def _along(x: float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """ys (rows per point of xs, ascending) at x: linear between points, the first row below
+    them, and beyond the last along its last segment."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = min(int(np.searchsorted(xs, x)), len(xs) - 1)
+    share = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[i - 1] + share * (ys[i] - ys[i - 1])
+
+
+@dataclass(frozen=True)
+class MeasuredSteps:
+    """Step costs read off a profile's timed steps, not off the latency model the controller
+    fitted to them, so that a replay of the controller's choices is not priced by the
+    controller's own beliefs: the ms of each timed (B, k), linear in B between the timed
+    batch sizes; at a context beyond the one a B's steps were timed at, plus what the
+    long-context steps cost per sequence per context token more than their short twins,
+    linear in k between the k timed there and in B between their batch sizes.
+    `less_draft`: a draft cost to take off (k D(B)), for drafts that cost nothing to make."""
+
+    batches: np.ndarray  # the timed B, ascending
+    ms: np.ndarray  # [B, k] ms of a step at the context it was timed at
+    contexts: np.ndarray  # [B] mean context of those steps
+    long_batches: np.ndarray
+    long_ks: np.ndarray
+    per_context: np.ndarray  # [long B, long k] ms per sequence per context token
+    less_draft: LinearCost = NO_COST
+
+    @classmethod
+    def from_profile(cls, profile: dict) -> MeasuredSteps:
+        temperature = timed_temperature(profile.get("key", {}).get("draft_sampling", "greedy"))
+        own = [
+            r
+            for r in profile.get("measurements", [])
+            if not r.get("prefill") and r.get("temperature", temperature) == temperature
+        ]
+        short = {(r["batch"], r["k"]): r for r in own if not r.get("long_context")}
+        if not short:
+            raise ValueError("profile: no timed steps in its `measurements`")
+        batches = sorted({b for b, _ in short})
+        ks = range(max(k for _, k in short) + 1)
+        missing = [(b, k) for b in batches for k in ks if (b, k) not in short]
+        if missing:
+            raise ValueError(f"profile: no timed step at (B, k) = {missing[0]}")
+        long = {(r["batch"], r["k"]): r for r in own if r.get("long_context")}
+        long_batches = sorted({b for b, _ in long})
+        long_ks = sorted({k for _, k in long})
+        per_context = [
+            [
+                max(long[b, k]["ms"] - short[b, k]["ms"], 0.0)
+                / (b * (long[b, k]["context"] - short[b, k]["context"]))
+                for k in long_ks
+            ]
+            for b in long_batches
+        ]
+        return cls(
+            np.array(batches, dtype=float),
+            np.array([[short[b, k]["ms"] for k in ks] for b in batches]),
+            np.array([statistics.fmean(short[b, k]["context"] for k in ks) for b in batches]),
+            np.array(long_batches, dtype=float),
+            np.array(long_ks, dtype=float),
+            np.array(per_context).reshape(len(long_batches), len(long_ks)),
+        )
+
+    @property
+    def prices_attention(self) -> bool:
+        return len(self.long_batches) > 0
+
+    def step_ms(self, b, k, context=None) -> float:
+        b, k = float(b), int(k)
+        if k >= self.ms.shape[1]:
+            raise ValueError(f"k={k}: the profile timed k <= {self.ms.shape[1] - 1}")
+        ms = float(_along(b, self.batches, self.ms[:, k])) - k * float(self.less_draft(b))
+        if context is None or not self.prices_attention:
+            return ms
+        beyond = max(float(context) - float(_along(b, self.batches, self.contexts)), 0.0)
+        per_k = np.array([np.interp(k, self.long_ks, row) for row in self.per_context])
+        per_token = float(np.interp(b, self.long_batches, per_k))
+        return ms + per_token * b * beyond
 
 
 @dataclass(frozen=True)
@@ -107,13 +193,16 @@ def replay(
     policy: Policy | list[int],
     unprofiled: UnprofiledCosts = NONE_UNPROFILED,
     draft_pass_at_k0: bool = False,
+    steps_priced_by: MeasuredSteps | None = None,
 ) -> Replay:
     """Replay `workload` with k from `policy`. `conditional`: P(draft position i accepted |
     positions < i accepted), one per position up to the policy's largest k.
-    `draft_pass_at_k0`: steps with k = 0 still run one draft pass, as vLLM 0.32 ships."""
+    `draft_pass_at_k0`: steps with k = 0 still run one draft pass, as vLLM 0.32 ships.
+    `steps_priced_by`: the profile's timed steps price each step (default: `latency`)."""
     tokens_at = expected_tokens(np.asarray(conditional, dtype=float))
     choose = (lambda b, _: policy[b]) if isinstance(policy, list) else policy.choose
-    if latency.attention:  # the profile timed attention itself
+    costs = steps_priced_by or latency
+    if costs.prices_attention:  # the profile timed attention itself
         unprofiled = replace(unprofiled, attention_ms_per_kv_token=0.0)
     remaining = workload.output_lengths - 1.0  # the prefill step makes every first token
     contexts = workload.prompt_lengths + 1.0
@@ -131,7 +220,7 @@ def replay(
                 f"policy chose k={k} for B={b}; acceptance covers k <= {len(tokens_at) - 1}"
             )
         steps.append((t_ms / 1000, b, k))
-        t_ms += float(latency.step_ms(b, k, context)) + unprofiled.step_ms(
+        t_ms += float(costs.step_ms(b, k, context)) + unprofiled.step_ms(
             contexts[running], k, workload.temperature
         )
         if k == 0 and draft_pass_at_k0:
@@ -246,7 +335,7 @@ def load_profile(path: str | Path) -> tuple[LatencyModel, UnprofiledCosts]:
     `unprofiled` costs where the file has them."""
     try:
         data = json.loads(Path(path).read_text())
-        latency = LatencyModel.from_dict(data["latency"])
+        latency = profile_latency(data)
         unprofiled = UnprofiledCosts(**data.get("unprofiled", {}))
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"latency profile {path}: {type(err).__name__}: {err}") from None

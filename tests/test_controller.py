@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,6 +21,7 @@ from vllm_plugin.controller import (
     expected_tokens,
     fit_attention,
     fit_latency,
+    profile_latency,
 )
 
 K_MAX = 6
@@ -208,19 +211,68 @@ def test_long_context_turns_drafting_down_where_the_profile_alone_would_draft():
     assert flat.choose(2, 4096) == flat.choose(2) == policy.choose(2)
 
 
-def test_fit_attention_recovers_a_known_cost_per_context_token():
+LONG_ROWS = [(b, k, 600.0) for b in (1, 4, 16) for k in (0, 3)]  # as the profile times them
+
+
+def _two_part_steps(latency, per_seq, per_query, reference=100.0):
+    return [
+        float(latency.step_ms(b, k)) + (per_seq * b + per_query * b * (k + 1)) * (c - reference)
+        for b, k, c in LONG_ROWS
+    ]
+
+
+@pytest.mark.parametrize(
+    "per_seq, per_query",
+    [(0.003, 0.0005), (0.002, 0.0), (0.0, 0.002)],
+    ids=["both", "per sequence only", "per query token only"],
+)
+def test_fit_attention_recovers_both_parts_of_a_known_cost(per_seq, per_query):
     latency = LatencyModel(HingeLatency(10.0, 0.5, 8.0), LinearCost(0.3, 0.05))
-    rows = [(b, k, 600.0) for b in (1, 4, 16) for k in (0, 3)]
-    truth = 0.002  # ms per query token per context token
-    ms = [float(latency.step_ms(b, k)) + truth * b * (k + 1) * (c - 100.0) for b, k, c in rows]
-    fitted = fit_attention(latency, *zip(*rows, strict=True), ms, reference=100.0)
-    assert fitted.attention == pytest.approx(truth)
+    ms = _two_part_steps(latency, per_seq, per_query)
+    fitted = fit_attention(latency, *zip(*LONG_ROWS, strict=True), ms, reference=100.0)
+    assert fitted.attention_per_seq == pytest.approx(per_seq, abs=1e-9)
+    assert fitted.attention == pytest.approx(per_query, abs=1e-9)
     assert fitted.context == 100.0 and fitted.target == latency.target
-    assert fitted.step_ms(4, 3, 600.0) == pytest.approx(ms[rows.index((4, 3, 600.0))])
-    # Steps no dearer at long context: no term, never a negative one.
-    cheaper = [0.95 * float(latency.step_ms(b, k)) for b, k, _ in rows]
-    assert fit_attention(latency, *zip(*rows, strict=True), cheaper, reference=100.0).attention == 0
+    assert fitted.step_ms(4, 3, 600.0) == pytest.approx(ms[LONG_ROWS.index((4, 3, 600.0))])
     assert LatencyModel.from_dict(fitted.to_dict()) == fitted
+
+
+def test_fit_attention_never_fits_a_negative_term():
+    latency = LatencyModel(HingeLatency(10.0, 0.5, 8.0), LinearCost(0.3, 0.05))
+    cheaper = [0.95 * float(latency.step_ms(b, k)) for b, k, _ in LONG_ROWS]
+    fitted = fit_attention(latency, *zip(*LONG_ROWS, strict=True), cheaper, reference=100.0)
+    assert fitted.attention == fitted.attention_per_seq == 0
+
+
+def test_a_per_sequence_attention_cost_does_not_price_drafting_deeper():
+    """Memory-bound decode attention reads each sequence's KV cache once for all its k + 1
+    queries: a per-sequence cost must not turn drafting down at long context, where a
+    per-query-token cost of the same size at k = 0 does."""
+    latency = LatencyModel(HingeLatency(10.0, 0.5, 8.0), LinearCost(0.3, 0.05), context=128.0)
+    acceptance = FrozenAcceptance([0.5] * K_MAX)
+    per_seq = GoodputPolicy(replace(latency, attention_per_seq=0.004), acceptance, MAX_BATCH)
+    per_query = GoodputPolicy(replace(latency, attention=0.004), acceptance, MAX_BATCH)
+    # the same cost added to every k's step: drafting deeper, if anything, pays more
+    assert per_seq.choose(2, 4096) >= per_seq.choose(2) > 0
+    assert per_query.choose(2, 4096) < per_query.choose(2)
+
+
+def test_profiles_fitted_with_a_one_part_attention_term_are_refitted_from_their_steps():
+    latency = LatencyModel(HingeLatency(10.0, 0.5, 8.0), LinearCost(0.3, 0.05), context=100.0)
+    ms = _two_part_steps(latency, 0.003, 0.0005)
+    stored = latency.to_dict()
+    del stored["attention_per_seq"]
+    stored["attention"] = 0.001  # what the one-part fit had made of the same steps
+    rows = [
+        {"batch": b, "k": k, "context": c, "ms": m, "long_context": True}
+        for (b, k, c), m in zip(LONG_ROWS, ms, strict=True)
+    ]
+    short = {"batch": 1, "k": 0, "context": 100.0, "ms": 10.0, "long_context": False}
+    refitted = profile_latency({"latency": stored, "measurements": [short, *rows]})
+    assert refitted.attention_per_seq == pytest.approx(0.003)
+    assert refitted.attention == pytest.approx(0.0005)
+    # A profile of this format is taken as it is.
+    assert profile_latency({"latency": refitted.to_dict(), "measurements": []}) == refitted
 
 
 def test_profiles_written_before_the_speculation_term_still_load():

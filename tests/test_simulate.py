@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from grpo_specdec.simulate import (
+    MeasuredSteps,
     UnprofiledCosts,
     Workload,
     compare,
@@ -20,6 +21,8 @@ from grpo_specdec.simulate import (
 )
 from vllm_plugin.controller import (
     FixedPolicy,
+    FrozenAcceptance,
+    GoodputPolicy,
     HingeLatency,
     LatencyModel,
     LinearCost,
@@ -189,3 +192,71 @@ def test_a_batch_limit_below_the_requests_is_refused():
     workload = Workload(np.array([4.0, 4.0, 4.0]), 16, 1.0)
     with pytest.raises(ValueError, match="max_batch=2 is below the 3 requests"):
         compare(LATENCY, [0.5, 0.5], workload, 2, 2)
+
+
+# A profile's timed steps as `grpo-specdec profile` stores them: every (B, k) at a short
+# context, k = 0 and k_max again at a long one for some B.
+TIMED = LatencyModel(
+    HingeLatency(10.0, 0.5, 16.0),
+    LinearCost(0.5, 0.1),
+    LinearCost(0.8, 0.0),
+    attention=0.0004,
+    context=40.0,
+    attention_per_seq=0.002,
+)
+BATCHES, K_MAX, SHORT, LONG = (1, 2, 4, 8, 16), 3, 40.0, 1000.0
+
+
+def _timed_profile(steps=TIMED, fitted=TIMED) -> dict:
+    def row(b, k, context, long):
+        ms = float(steps.step_ms(b, k, context))
+        return {"batch": b, "k": k, "context": context, "ms": ms, "long_context": long}
+
+    rows = [row(b, k, SHORT, False) for b in BATCHES for k in range(K_MAX + 1)]
+    rows += [row(b, k, LONG, True) for b in (1, 8) for k in (0, K_MAX)]
+    return {"key": {}, "latency": fitted.to_dict(), "measurements": rows}
+
+
+def test_measured_steps_read_the_timed_steps_and_interpolate_between_them():
+    steps = MeasuredSteps.from_profile(_timed_profile())
+    for b in BATCHES:
+        for k in range(K_MAX + 1):
+            assert steps.step_ms(b, k) == pytest.approx(float(TIMED.step_ms(b, k)))
+    # linear in B between timed batch sizes, and past the largest along the last segment
+    assert steps.step_ms(12, 2) == pytest.approx(
+        (float(TIMED.step_ms(8, 2)) + float(TIMED.step_ms(16, 2))) / 2
+    )
+    assert steps.step_ms(32, 1) == pytest.approx(float(TIMED.step_ms(32, 1)))
+    # attention: both parts are linear in k and per sequence, so interpolation is exact
+    for b, k in ((1, 0), (8, K_MAX), (4, 1), (8, 2)):
+        assert steps.step_ms(b, k, 700.0) == pytest.approx(float(TIMED.step_ms(b, k, 700.0)))
+    assert steps.step_ms(4, 1, SHORT / 2) == steps.step_ms(4, 1)  # no credit below the profile's
+    with pytest.raises(ValueError, match="k=4"):
+        steps.step_ms(1, K_MAX + 1)
+
+
+def test_a_replay_priced_by_the_timed_steps_is_not_judged_by_the_controllers_model():
+    """The controller's fitted model says drafting is cheap; the timed steps say each draft
+    token costs 5 ms more. Priced by its own model ours looks as fast as it believes it is;
+    priced by the timed steps, its drafting steps cost what they measured."""
+    dearer = LatencyModel(TIMED.target, LinearCost(5.5, 0.1), TIMED.speculation)
+    profile = _timed_profile(steps=dearer, fitted=TIMED)
+    steps = MeasuredSteps.from_profile(profile)
+    w = Workload([40] * 4, [20] * 4, temperature=0.0)
+    ours = GoodputPolicy(TIMED, FrozenAcceptance([0.8] * K_MAX), 16)
+    by_model = replay(TIMED, [0.8] * K_MAX, w, ours)
+    by_steps = replay(TIMED, [0.8] * K_MAX, w, ours, steps_priced_by=steps)
+    assert by_steps.makespan_s > 1.2 * by_model.makespan_s
+    plain = replay(TIMED, [0.8] * K_MAX, w, FixedPolicy(0), steps_priced_by=steps)
+    assert plain.makespan_s == pytest.approx(
+        replay(TIMED, [0.8] * K_MAX, w, FixedPolicy(0)).makespan_s
+    )
+
+
+def test_measured_steps_name_a_missing_timed_step():
+    profile = _timed_profile()
+    profile["measurements"] = [r for r in profile["measurements"] if (r["batch"], r["k"]) != (4, 2)]
+    with pytest.raises(ValueError, match=r"\(B, k\) = \(4, 2\)"):
+        MeasuredSteps.from_profile(profile)
+    with pytest.raises(ValueError, match="no timed steps"):
+        MeasuredSteps.from_profile({"latency": TIMED.to_dict(), "measurements": []})

@@ -3,15 +3,17 @@
 Goodput of drafting k tokens at live concurrency B (tokens per millisecond):
 
     G(B, k) = B * E[tokens per step | k] / step(B, k, c)
-    step(B, k, c) = T(B (k + 1)) + [k > 0] S(B) + k D(B) + a B (k + 1) max(c - c_0, 0)
+    step(B, k, c) = T(B (k + 1)) + [k > 0] S(B) + k D(B)
+                    + (a_s B + a_q B (k + 1)) max(c - c_0, 0)
 
 T(n) is the step latency with n tokens in the target forward (a roofline: flat while
 memory-bound, linear past the knee C_peak), S(B) what a step pays for speculating at all
 (verification by rejection sampling, the draft's metadata; a step with k = 0 pays none
-of it), D(B) the cost of one draft step over B sequences, a what each query token pays
-per token of context it attends to beyond c_0, the context T, S and D were timed at (c:
-the running requests' mean context; late in a rollout, where the tail runs, it is long,
-and a drafted token costs more to verify there), and
+of it), D(B) the cost of one draft step over B sequences, and attention beyond c_0, the
+context T, S and D were timed at, in two parts per token of context: a_s per sequence
+(decode attention is memory-bound: the k + 1 queries of one sequence share one read of
+its KV cache) and a_q per query token (the compute that does grow with k). c is the
+running requests' mean context; late in a rollout, where the tail runs, it is long. And
 E[tokens | k] = 1 + sum_{i<k} prod_{j<=i} p_j with p_j the measured conditional
 acceptance at draft position j. The goodput policy picks the k with the
 largest G; the paper's rule and a fixed k sit behind the same interface.
@@ -55,13 +57,14 @@ NO_COST = LinearCost(0.0, 0.0)
 @dataclass(frozen=True)
 class LatencyModel:
     """step_ms(B, k, c) = T(B (k + 1)) + [k > 0] S(B) + k D(B)
-    + attention B (k + 1) max(c - context, 0)."""
+    + (attention_per_seq B + attention B (k + 1)) max(c - context, 0)."""
 
     target: HingeLatency
     draft: LinearCost
     speculation: LinearCost = NO_COST
     attention: float = 0.0  # ms per query token per context token beyond `context`
     context: float = 0.0  # mean context (tokens) of the steps T, S and D were fitted on
+    attention_per_seq: float = 0.0  # ms per sequence per context token beyond `context`
 
     @property
     def c_peak(self) -> float:
@@ -77,18 +80,21 @@ class LatencyModel:
         """`context`: the requests' mean context in tokens (None: the profile's own)."""
         b, k = np.asarray(b, dtype=float), np.asarray(k, dtype=float)
         ms = self.target(b * (k + 1)) + (k > 0) * self.speculation(b) + k * self.draft(b)
-        return ms + self.attention_ms(b * (k + 1), context)
+        return ms + self.attention_ms(b, b * (k + 1), context)
 
-    def attention_ms(self, query_tokens, context=None):
-        """What `query_tokens` pay to attend to a mean `context` beyond the profile's
-        (None: the profile's own, which T, S and D already price)."""
-        if context is None or not self.attention:
-            return 0.0 * np.asarray(query_tokens, dtype=float)
-        return (
-            self.attention
-            * np.asarray(query_tokens, dtype=float)
-            * max(float(context) - self.context, 0.0)
-        )
+    @property
+    def prices_attention(self) -> bool:
+        return bool(self.attention or self.attention_per_seq)
+
+    def attention_ms(self, sequences, query_tokens, context=None):
+        """What `sequences` with `query_tokens` between them pay to attend to a mean
+        `context` beyond the profile's (None: the profile's own, which T, S and D price)."""
+        per_context_token = self.attention_per_seq * np.asarray(
+            sequences, dtype=float
+        ) + self.attention * np.asarray(query_tokens, dtype=float)
+        if context is None:
+            return 0.0 * per_context_token
+        return per_context_token * max(float(context) - self.context, 0.0)
 
     def to_dict(self) -> dict:
         return {
@@ -96,6 +102,7 @@ class LatencyModel:
             "draft": asdict(self.draft),
             "speculation": asdict(self.speculation),
             "attention": self.attention,
+            "attention_per_seq": self.attention_per_seq,
             "context": self.context,
             "c_peak": self.c_peak,
         }
@@ -109,6 +116,7 @@ class LatencyModel:
             speculation,
             float(d.get("attention", 0.0)),
             float(d.get("context", 0.0)),
+            float(d.get("attention_per_seq", 0.0)),
         )
 
 
@@ -159,13 +167,47 @@ def fit_latency(b, k, ms) -> tuple[LatencyModel, float]:
 def fit_attention(latency: LatencyModel, b, k, context, ms, reference: float) -> LatencyModel:
     """`latency` (fitted on steps at mean context `reference`) with the attention term
     fitted to steps timed at other contexts: what those steps cost beyond the model, per
-    query token per context token, least squares in relative error, at least 0."""
+    context token, in its two parts (per sequence and per query token), least squares in
+    relative error, each at least 0. Telling the parts apart takes steps of one B at
+    several k (the profile times k = 0 and its largest k at a long context)."""
     b, k, context, ms = (np.asarray(x, dtype=float) for x in (b, k, context, ms))
-    feature = b * (k + 1) * (context - reference) / ms
+    beyond = (context - reference) / ms
+    features = np.stack([b * beyond, b * (k + 1) * beyond], axis=1)
     excess = (ms - latency.step_ms(b, k)) / ms
-    denominator = float((feature**2).sum())
-    attention = max(0.0, float((feature * excess).sum()) / denominator) if denominator else 0.0
-    return replace(latency, attention=attention, context=float(reference))
+    per_seq, per_query = (float(c) for c in _nonnegative_lstsq(features, excess))
+    return replace(
+        latency, attention=per_query, attention_per_seq=per_seq, context=float(reference)
+    )
+
+
+def profile_latency(profile: dict) -> LatencyModel:
+    """A stored profile's latency model (`grpo-specdec profile`'s JSON). One fitted before
+    the attention term had its per-sequence part has that term refitted from its own
+    long-context steps, so that no hardware is profiled again for it."""
+    latency = LatencyModel.from_dict(profile["latency"])
+    if "attention_per_seq" in profile["latency"]:
+        return latency
+    temperature = timed_temperature(profile.get("key", {}).get("draft_sampling", "greedy"))
+    long = [
+        r
+        for r in profile.get("measurements", [])
+        if r.get("long_context")
+        and not r.get("prefill")
+        and r.get("temperature", temperature) == temperature
+    ]
+    if not long:
+        return latency
+    fields = ("batch", "k", "context", "ms")
+    return fit_attention(
+        replace(latency, attention=0.0),
+        *([r[f] for r in long] for f in fields),
+        reference=latency.context,
+    )
+
+
+def timed_temperature(draft_sampling: str) -> float:
+    """The temperature a profile's own steps sample at: sampled drafting is timed at T = 1."""
+    return 0.0 if draft_sampling == "greedy" else 1.0
 
 
 class AcceptanceEstimator:

@@ -239,7 +239,7 @@ class GroupDrafter:
             self.latency.target(tokens)
             + speculating * float(self.latency.speculation(batch))
             + k_model * float(self.latency.draft(batch))
-            + self.latency.attention_ms(tokens, mean_context)
+            + self.latency.attention_ms(batch, tokens, mean_context)
         )
         keep = int(np.argmax((base_expected + gain) / step_ms))
         length = [0] * batch
@@ -270,7 +270,7 @@ class GroupDrafter:
         extra_ms = float(
             self.latency.target(tokens + 1)
             - self.latency.target(tokens)
-            + self.latency.attention_ms(1, context)
+            + self.latency.attention_ms(0, 1, context)
         )
         return batch * (1 + model_expected) * extra_ms / step_ms
 

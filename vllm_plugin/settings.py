@@ -159,7 +159,7 @@ def store_path(key: dict) -> Path:
 def load_latency(settings: ControllerSettings, vllm_config):
     """The latency model of the profile the settings name, or of the one stored for this
     engine's model, dtype, draft and hardware."""
-    from vllm_plugin.controller import LatencyModel
+    from vllm_plugin.controller import profile_latency
 
     spec = vllm_config.speculative_config
     key = profile_key(
@@ -177,4 +177,4 @@ def load_latency(settings: ControllerSettings, vllm_config):
             "` first, "
             f"or name a profile in the GRPO_SPECDEC_CONTROLLER settings"
         )
-    return LatencyModel.from_dict(json.loads(path.read_text())["latency"])
+    return profile_latency(json.loads(path.read_text()))

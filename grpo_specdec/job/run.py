@@ -101,9 +101,7 @@ class Job:
         rollout = Rollout.gather(per_engine)
         seconds["generation"] = lap()
 
-        rewards, correct = _rewards(
-            batch.examples, rollout.texts, self.cfg.reward.format_bonus
-        )
+        rewards, correct = _rewards(batch.examples, rollout.texts, self.cfg.reward.format_bonus)
         advantages, informative = group_advantages(rewards)
         learning = self.roles.learn(
             PolicyBatch.of(rollout, advantages, informative), self.draft_version
