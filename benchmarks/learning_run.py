@@ -83,11 +83,11 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
     from grpo_specdec.measure import run_protocol, speedup
     from grpo_specdec.tasks.arithmetic import make_problems
     from grpo_specdec.tasks.tail_shape import tail_phase_s, with_budgets
-    from vllm_plugin.controller import FixedPolicy, GoodputPolicy, LatencyModel
+    from vllm_plugin.controller import FixedPolicy, GoodputPolicy, profile_latency
 
     cfg = load_yaml(TrainConfig, CONFIG, [])
     profile = latency_profile(cfg, resolve_model("smollm2"), initial_head, print)
-    latency = LatencyModel.from_dict(json.loads(Path(profile).read_text())["latency"])
+    latency = profile_latency(json.loads(Path(profile).read_text()))
     questions = [p.question for lvl in (1, 2) for p in make_problems(PROMPTS // 2, 97, lvl)]
     shape = with_budgets(questions, GROUP, CAP, MEDIAN, 0.7, seed=5)
     scheduling = {"max_num_batched_tokens": len(shape.prompts) * 256}  # prefills in one step
@@ -147,6 +147,7 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
                 "makespan_s_runs": makespans[name],
                 "tail_s": statistics.median(tail_phase_s(r["finished_s"]) for r in runs),
                 "tokens": runs[-1]["tokens"],
+                "tokens_after_eos": statistics.median(r["tokens_after_eos"] for r in runs),
                 "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
                 "speedup": speedup(base, makespans[name]).to_dict(),
                 "others_cpu_share": timed.busy[name],
@@ -258,8 +259,13 @@ def report(data: dict) -> str:
             if "command" in p
         ],
         "",
-        "| point | iteration | config | makespan s | speedup [95% interval] | verdict | MAL |",
-        "|---|---|---|---|---|---|---|",
+        "'after EOS': of the tokens each configuration made (the reference rollout's lengths, "
+        "EOS ignored), those after a request's first EOS, text a real rollout never makes; its "
+        "MAL counts them too.",
+        "",
+        "| point | iteration | config | makespan s | speedup [95% interval] | verdict | MAL | "
+        "after EOS |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, p in data.get("points", {}).items():
         for config, v in p["configs"].items():
@@ -267,7 +273,13 @@ def report(data: dict) -> str:
             lines.append(
                 f"| {name} | {p['iteration']} | {config} | {v['makespan_s']:.1f} | "
                 f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}] | "
-                f"{'-' if config == 'no speculation' else sp['verdict']} | {v['mal']:.2f} |"
+                f"{'-' if config == 'no speculation' else sp['verdict']} | {v['mal']:.2f} | "
+                + (
+                    f"{v['tokens_after_eos']:.0f} of {v['tokens']}"
+                    if "tokens_after_eos" in v
+                    else "-"
+                )
+                + " |"
             )
     lines += ["", "![learning curve and speedup](../assets/learning_run.png)"]
     return "\n".join(lines)

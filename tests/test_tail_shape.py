@@ -13,6 +13,7 @@ from grpo_specdec.tasks.tail_shape import (
     tail_phase_s,
     tail_shape,
     tail_share,
+    tokens_after_eos,
 )
 
 
@@ -96,3 +97,11 @@ def test_in_flight_counts_requests_between_their_start_and_finish():
     assert share_of_time_at_most(times, counts, 1) == pytest.approx(0.4)
     assert share_of_time_at_most(times, counts, 2) == pytest.approx(0.7)
     assert share_of_time_at_most(times, counts, 4) == pytest.approx(1.0)
+
+
+def test_tokens_after_eos_count_past_each_answers_first_eos_only():
+    eos = 2
+    answers = [[5, 6, 2, 7, 2, 8], [5, 2], [5, 6, 7], [2, 9]]
+    # 3 after the first EOS of the first (its second EOS counts as text), 0, none, 1
+    assert tokens_after_eos(answers, eos) == 4
+    assert tokens_after_eos([[5, 6]], eos) == 0

@@ -107,3 +107,9 @@ def share_of_time_at_most(times: np.ndarray, counts: np.ndarray, b: int) -> floa
     dt = np.diff(times)
     held = counts[:-1]
     return float(dt[(held >= 1) & (held <= b)].sum() / dt.sum())
+
+
+def tokens_after_eos(token_ids: list[list[int]], eos: int) -> int:
+    """Tokens past each answer's first EOS: what a rollout with EOS ignored (to make equal
+    work) makes that a real rollout never would."""
+    return sum(len(ids) - ids.index(eos) - 1 for ids in token_ids if eos in ids)
