@@ -98,6 +98,27 @@ def test_reward_correctness_and_format_bonus():
     assert reward("nothing", 16) == 0.0
 
 
+def test_the_jobs_rewards_carry_the_format_bonus_it_is_configured_with():
+    """An all-wrong group where some answers state the format: with the bonus its
+    group-normalised advantages are as large as a right answer's would be (the bonus is then
+    learnt instead of the task); without it (the default) the group teaches nothing."""
+    from grpo_specdec.job.config import RewardSettings
+    from grpo_specdec.job.run import _rewards
+    from grpo_specdec.tasks.datasets import Example
+
+    texts = [["The answer is 15.", "15", "The answer is 14.", "16"]]
+    examples = [Example("q", 16.0)]
+    with_bonus, correct = _rewards(examples, texts, 0.1)
+    assert with_bonus.tolist() == pytest.approx([[0.1, 0.0, 0.1, 1.0]])
+    assert correct.tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    wrong = [texts[0][:3]]
+    advantages, informative = group_advantages(_rewards(examples, wrong, 0.1)[0])
+    assert informative.tolist() == [True] and advantages.abs().max() == pytest.approx(1.414, 1e-3)
+    default = RewardSettings().format_bonus
+    assert default == 0.0
+    assert group_advantages(_rewards(examples, wrong, default)[0])[1].tolist() == [False]
+
+
 def test_gsm8k_jsonl_errors_name_file_and_line(tmp_path):
     good = tmp_path / "ok.jsonl"
     good.write_text(
