@@ -1,5 +1,5 @@
-"""Checkpoint folders of the GRPO job: writing one atomically, finding the newest complete
-one, checking one is whole before any work starts from it, making the one a resume starts
+"""Checkpoint folders of the GRPO job: writing one atomically and durably (fsynced before
+`latest` names it), finding the newest complete one, checking one is whole before any work starts from it, making the one a resume starts
 from the newest (the only timeline), and replacing a folder the job writes whole."""
 
 from __future__ import annotations
@@ -64,7 +64,11 @@ class Checkpointer:
             "config": config,
         }
         (tmp / "state.json").write_text(json.dumps(state))
+        # On disk before `latest` can name it: against a power loss, not only a crash
+        # (renames are journalled before the data they name is written).
+        sync_tree(tmp)
         os.replace(tmp, final)
+        sync_dir(self.root)
         point_latest_at(self.root, final)
         return final
 
@@ -110,10 +114,38 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def point_latest_at(root: Path, ckpt: Path) -> None:
-    """Name `ckpt` (a folder in root) as the newest checkpoint, atomically."""
+    """Name `ckpt` (a folder in root) as the newest checkpoint, atomically and durably."""
     pointer = root / (LATEST + ".tmp")
-    pointer.write_text(ckpt.name)
+    with open(pointer, "w") as f:
+        f.write(ckpt.name)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(pointer, root / LATEST)
+    sync_dir(root)
+
+
+def sync_dir(path: Path) -> None:
+    """fsync a folder: its entries (files made, renamed or removed in it) reach the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(path: Path) -> None:
+    """fsync every file under `path`, then every folder, deepest first."""
+    folders = []
+    for folder, _, files in os.walk(path):
+        folders.append(Path(folder))
+        for name in files:
+            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for folder in reversed(folders):
+        sync_dir(folder)
 
 
 def resume_timeline(root: Path, ckpt: Path, log=print) -> Path:
@@ -126,9 +158,12 @@ def resume_timeline(root: Path, ckpt: Path, log=print) -> Path:
     checkpoints of later iterations, the timeline this resume leaves, move to
     root/abandoned/after_<ckpt>/: kept rather than deleted (the resume may have named the
     wrong one), and out of the way of the checkpoints the job writes next.
+    A checkpoint of this run's abandoned/ is brought back: see `_restore_abandoned`.
     Returns `ckpt`'s folder in root."""
     root.mkdir(parents=True, exist_ok=True)
-    if ckpt.resolve().parent != root.resolve():
+    if ckpt.resolve().parent.parent == (root / ABANDONED).resolve():
+        ckpt = _restore_abandoned(root, ckpt, log)
+    elif ckpt.resolve().parent != root.resolve():
         if _iterations(root):
             raise ValueError(
                 f"--resume {ckpt}: that checkpoint is of another run, and {root} holds "
@@ -141,21 +176,49 @@ def resume_timeline(root: Path, ckpt: Path, log=print) -> Path:
         log(f"copied checkpoint {ckpt} to {root / ckpt.name}")
         ckpt = root / ckpt.name
     point_latest_at(root, ckpt)
-    resumed = read_state(ckpt)["iteration"]
-    later = sorted(path for path, iteration in _iterations(root).items() if iteration > resumed)
-    if later:
-        aside, n = root / ABANDONED / f"after_{ckpt.name}", 1
-        while aside.exists():
-            n += 1
-            aside = root / ABANDONED / f"after_{ckpt.name}.{n}"
-        aside.mkdir(parents=True)
-        for path in later:
-            os.replace(path, aside / path.name)
-        log(
-            f"resuming from {ckpt.name}: moved the later checkpoints "
-            f"{', '.join(p.name for p in later)} to {aside}"
-        )
+    _move_later_aside(root, read_state(ckpt)["iteration"], ckpt.name, log)
     return ckpt
+
+
+def _restore_abandoned(root: Path, ckpt: Path, log) -> Path:
+    """`ckpt`, in root/abandoned/after_<branch>[.n]/, made part of root's timeline again:
+    root's checkpoints after the branch point (the timeline resumed from there) move aside
+    in turn, and `ckpt` with the older ones of its own timeline comes back. `latest` names
+    the branch point while they move, so that a crash leaves a timeline that resumes."""
+    branch = re.fullmatch(r"after_(iter_\d+)(\.\d+)?", ckpt.parent.name)
+    if branch is None or not (root / branch[1] / "state.json").is_file():
+        raise ValueError(
+            f"--resume {ckpt}: its folder does not name a branch checkpoint of {root} "
+            "(expected abandoned/after_iter_NNNNNN/)"
+        )
+    point_latest_at(root, root / branch[1])
+    _move_later_aside(root, read_state(root / branch[1])["iteration"], branch[1], log)
+    upto = read_state(ckpt)["iteration"]
+    back = sorted(path for path, it in _iterations(ckpt.parent).items() if it <= upto)
+    for path in back:
+        os.replace(path, root / path.name)
+    sync_dir(ckpt.parent)
+    sync_dir(root)
+    log(f"brought back from {ckpt.parent}: {', '.join(p.name for p in back)}")
+    return root / ckpt.name
+
+
+def _move_later_aside(root: Path, after: int, name: str, log) -> None:
+    """root's checkpoints of iterations after `after` to root/abandoned/after_<name>[.n]/."""
+    later = sorted(path for path, iteration in _iterations(root).items() if iteration > after)
+    if not later:
+        return
+    aside, n = root / ABANDONED / f"after_{name}", 1
+    while aside.exists():
+        n += 1
+        aside = root / ABANDONED / f"after_{name}.{n}"
+    aside.mkdir(parents=True)
+    for path in later:
+        os.replace(path, aside / path.name)
+    sync_dir(root)
+    log(
+        f"resuming from {name}: moved the later checkpoints {', '.join(p.name for p in later)} to {aside}"
+    )
 
 
 def _iterations(root: Path) -> dict[Path, int]:
@@ -166,12 +229,21 @@ def _iterations(root: Path) -> dict[Path, int]:
 def replace_dir(new: Path, dst: Path) -> None:
     """Move folder `new` to `dst`, replacing any folder there whole (`shutil.move` would put
     it inside). Each step is a rename: `dst` is the old folder, then none, then the new
-    one, never a mix; a crash in between leaves the old one at .<name>.old beside it."""
+    one, never a mix. A crash in between leaves the old one at .<name>.old beside it, and
+    the next call puts it back first (it is the folder, as long as `dst` is missing)."""
     old = dst.with_name(f".{dst.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists():
+        if dst.exists():  # the crash came after the new one landed: the old one is spent
+            shutil.rmtree(old)
+        else:
+            os.replace(old, dst)
+    if not new.is_dir():
+        raise FileNotFoundError(f"{new}: no folder to replace {dst} with")
+    sync_tree(new)
     if dst.exists():
         os.replace(dst, old)
     os.replace(new, dst)
+    sync_dir(dst.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
