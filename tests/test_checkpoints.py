@@ -13,7 +13,6 @@ from grpo_specdec.job.checkpoints import (
     latest_checkpoint,
     point_latest_at,
     replace_dir,
-    resume_point,
     resume_timeline,
 )
 
@@ -70,7 +69,7 @@ def test_an_abandoned_checkpoint_resumed_by_path_becomes_the_timeline(tmp_path):
     point_latest_at(root, root / "iter_000005")
 
     abandoned = root / "abandoned" / "after_iter_000002" / "iter_000004"
-    ckpt = resume_timeline(root, resume_point(abandoned), **QUIET)
+    ckpt = resume_timeline(root, abandoned, **QUIET)
 
     assert ckpt == root / "iter_000004" and latest_checkpoint(root) == ckpt
     assert (ckpt / "mark").read_text() == "first timeline"

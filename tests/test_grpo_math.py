@@ -109,7 +109,7 @@ def test_the_jobs_rewards_carry_the_format_bonus_it_is_configured_with():
     texts = [["The answer is 15.", "15", "The answer is 14.", "16"]]
     examples = [Example("q", 16.0)]
     with_bonus, correct = _rewards(examples, texts, 0.1)
-    assert with_bonus.tolist() == pytest.approx([[0.1, 0.0, 0.1, 1.0]])
+    assert with_bonus[0].tolist() == pytest.approx([0.1, 0.0, 0.1, 1.0])
     assert correct.tolist() == [[0.0, 0.0, 0.0, 1.0]]
     wrong = [texts[0][:3]]
     advantages, informative = group_advantages(_rewards(examples, wrong, 0.1)[0])
@@ -153,3 +153,17 @@ def test_token_entropy_is_that_of_the_distribution_each_next_token_is_sampled_fr
     assert h[:, 0].tolist() == [0.0, 0.0]
     assert torch.allclose(h[0, 1:], torch.full((3,), math.log(vocab)))
     assert torch.all(h[1, 1:] < 1e-6)
+
+
+def test_response_logprobs_are_those_of_the_sampling_temperature():
+    """The surrogate's log-probabilities are of the distribution the engine sampled from:
+    logits / T, as verl and TRL compute them."""
+    from grpo_specdec.job.roles import response_logprobs
+
+    logits = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    cold = response_logprobs(logits, ids, temperature=0.5)
+    expected = torch.log_softmax(2 * logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(cold[:, 1:], expected)
+    assert (cold[:, 0] == 0).all()
+    assert not torch.allclose(cold, response_logprobs(logits, ids))

@@ -1,6 +1,6 @@
 """Policy ranks as plain processes (no Ray): two ranks, whole or sharded by FSDP2, take
-the step one rank takes on the whole batch, even when one rank's shard has nothing to
-learn from; a checkpoint written by two ranks resumes on one, and the reverse."""
+the step one rank takes on the whole batch, whether both ranks hold sequences to learn
+from or one rank's shard has none; a checkpoint written by two ranks resumes on one, and the reverse."""
 
 from __future__ import annotations
 
@@ -25,15 +25,22 @@ WEIGHT_ATOL = 1e-6
 
 
 def _batch(seed: int = 0) -> PolicyBatch:
+    """Rank 0 takes sequences 0..8 (3 micro-batches), rank 1 9..16 (2), of uneven lengths.
+    Seed 0: both ranks hold sequences with reward variance (6 and 3, so a loss normalised
+    by a rank's own token count would weigh them wrongly). Seed 1: only the first 8 have
+    variance, so rank 1 trains nothing and contributes no gradient. Sampled at T = 0.8:
+    every rank scales its logits alike."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(12, 40, (17,), generator=g).tolist()
-    # Rank 0 takes sequences 0..8 (3 micro-batches), rank 1 9..16 (2). Only the first 8
-    # have reward variance, so rank 1 trains nothing and contributes no gradient.
+    informative = [True] * 8 + [False] * 9
+    if seed == 0:
+        informative = [True] * 6 + [False] * 3 + [True] * 3 + [False] * 5
     return PolicyBatch(
         [torch.randint(0, 200, (n,), generator=g).tolist() for n in lengths],
         [6] * 17,
         torch.randn(17, generator=g).tolist(),
-        [True] * 8 + [False] * 9,
+        informative,
+        temperature=0.8,
     )
 
 
@@ -96,7 +103,7 @@ def test_two_ranks_take_the_single_rank_step(tiny_target, tmp_path, sharding, ch
     ranks = _two_ranks(tmp_path, tiny_target, settings, "step")
     single = PolicyLearner(tiny_target, PolicySettings(**SETTINGS))
     expected = _step(single)
-    assert expected["policy_sequences"] == 8
+    assert expected["policy_sequences"] == 9
     rank0, rank1 = ranks
     assert rank1["weights"] is None  # only rank 0 publishes
     _assert_same_step(rank0, expected, single.export_weights("float32"))

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -239,7 +240,7 @@ def test_a_replay_priced_by_the_timed_steps_is_not_judged_by_the_controllers_mod
     """The controller's fitted model says drafting is cheap; the timed steps say each draft
     token costs 5 ms more. Priced by its own model ours looks as fast as it believes it is;
     priced by the timed steps, its drafting steps cost what they measured."""
-    dearer = LatencyModel(TIMED.target, LinearCost(5.5, 0.1), TIMED.speculation)
+    dearer = replace(TIMED, draft=LinearCost(5.5, 0.1))
     profile = _timed_profile(steps=dearer, fitted=TIMED)
     steps = MeasuredSteps.from_profile(profile)
     w = Workload([40] * 4, [20] * 4, temperature=0.0)

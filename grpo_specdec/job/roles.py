@@ -39,12 +39,19 @@ class PolicyBatch:
     prompt_lens: list[int]
     advantages: list[float]
     informative: list[bool]  # groups with reward variance; the others train only the draft
+    # What the responses were sampled at: the surrogate's log-probabilities are those of the
+    # distribution the engine sampled from (as verl and TRL scale the logits). At T = 0.7
+    # with T = 1 log-probabilities, pushing down wrong answers' (likely) tokens flattened
+    # the policy: entropy 1.3 -> 2.4 and held-out accuracy 0.15 -> 0.06 in 5 iterations.
+    temperature: float = 1.0
 
     @staticmethod
-    def of(rollout, advantages: torch.Tensor, informative: torch.Tensor) -> PolicyBatch:
+    def of(
+        rollout, advantages: torch.Tensor, informative: torch.Tensor, temperature: float = 1.0
+    ) -> PolicyBatch:
         """A rollout's sequences (prompt + response), with their [prompt, sample] advantages
         and whether their group is informative."""
-        batch = PolicyBatch([], [], [], [])
+        batch = PolicyBatch([], [], [], [], temperature)
         for g, prompt in enumerate(rollout.prompt_ids):
             for s, response in enumerate(rollout.responses[g]):
                 batch.token_ids.append(prompt + response)
@@ -73,11 +80,13 @@ class DraftData:
         )
 
 
-def response_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log p(x_{t+1} | x_<=t) aligned with position t+1: [B, T] (position 0 is 0)."""
-    logp = (
-        torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    )
+def response_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(x_{t+1} | x_<=t) aligned with position t+1: [B, T] (position 0 is 0), of the
+    distribution at `temperature`."""
+    scaled = logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(scaled, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(logp, (1, 0))
 
 
@@ -201,10 +210,13 @@ class PolicyLearner:
             resp = _response_mask(mask, [batch.prompt_lens[i] for i in idx])
             self._entropy["entropy_sum"] += float(token_entropy(logits)[resp].sum())
             self._entropy["entropy_tokens"] += float(resp.sum())
-            self._old_logp |= dict(zip(idx, response_logprobs(logits, ids).cpu(), strict=True))
+            temperature = batch.temperature
+            self._old_logp |= dict(
+                zip(idx, response_logprobs(logits, ids, temperature).cpu(), strict=True)
+            )
             if self.ref is not None:
                 self._ref_logp |= dict(
-                    zip(idx, response_logprobs(ref_logits, ids).cpu(), strict=True)
+                    zip(idx, response_logprobs(ref_logits, ids, temperature).cpu(), strict=True)
                 )
             for row, i in enumerate(idx):
                 n = len(batch.token_ids[i])
@@ -253,7 +265,7 @@ class PolicyLearner:
                 if not idx:
                     (logits.sum() * 0).backward()
                     continue
-                logp = response_logprobs(logits, ids)
+                logp = response_logprobs(logits, ids, batch.temperature)
                 old = _stack_padded([self._old_logp[i] for i in idx], logp.shape[1]).to(self.device)
                 ref = (
                     _stack_padded([self._ref_logp[i] for i in idx], logp.shape[1]).to(self.device)

@@ -104,7 +104,8 @@ class Job:
         rewards, correct = _rewards(batch.examples, rollout.texts, self.cfg.reward.format_bonus)
         advantages, informative = group_advantages(rewards)
         learning = self.roles.learn(
-            PolicyBatch.of(rollout, advantages, informative), self.draft_version
+            PolicyBatch.of(rollout, advantages, informative, self.cfg.rollout.temperature),
+            self.draft_version,
         )
         policy_stats = learning.policy()
         seconds["policy_update"] = lap()
