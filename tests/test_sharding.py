@@ -19,9 +19,11 @@ from grpo_specdec.job.sharding import shard
 
 # kl_coef > 0: the frozen reference model is put on the ranks too.
 SETTINGS = dict(lr=1e-3, autocast="off", micro_batch=4, kl_coef=0.05)
-# Summed gradients differ from one rank's only in the order of float additions
-# (measured: weights within 2e-7 after a step at lr 1e-3).
-WEIGHT_ATOL = 1e-6
+# Summed gradients differ from one rank's only in the order of float additions (measured:
+# weights within 1.1e-6 after a step at lr 1e-3 with both ranks learning, one element of
+# 16384 above 2e-7: AdamW's first step divides a near-zero gradient by its own size). A
+# rank-local token count in the loss moves weights by ~lr instead.
+WEIGHT_ATOL = 5e-6
 
 
 def _batch(seed: int = 0) -> PolicyBatch:
