@@ -10,7 +10,7 @@ STAMP := $(VENV)/.setup-done
 IOMP := $(CURDIR)/$(VENV)/lib/libiomp5.so
 RUN := LD_PRELOAD=$(IOMP)$${LD_PRELOAD:+:$$LD_PRELOAD} TOKENIZERS_PARALLELISM=false
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup test demo bench bench-k0 lint clean
 
 VERL = verl==0.9.0 tensordict==0.10.0 pyvers==0.2.3 lazy-importer==0.1.0 orjson==3.13.0 \
 	omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0
@@ -51,6 +51,13 @@ demo: setup
 
 bench: setup
 	$(RUN) $(PY) benchmarks/rollout_throughput.py
+
+# The standing row of a step that drafts nothing: the engine with the draft loaded at k = 0
+# against the plain engine at B = 64, T = 1, in five shuffled rounds (docs/benchmarks/k0_step.md).
+bench-k0: setup
+	$(RUN) $(PY) benchmarks/rollout_throughput.py --batch-sizes 64 --temperatures 1 \
+		--shapes '' --no-outside --no-group --only 'k=0 (draft loaded)' --repeats 5 \
+		--study k0_step
 
 lint: setup
 	$(PY) -m ruff check grpo_specdec vllm_plugin tests benchmarks

@@ -41,6 +41,9 @@ from benchmarks.common import (
 
 CONFIG = ROOT / "configs" / "smollm2_arith.yaml"
 SAVED = ASSETS / "learning_run.json"
+# Earlier recipes, each one run of this script at the commit it names (their metrics.jsonl
+# and eval.jsonl, as the job wrote them), beside the shipped recipe in the study.
+ABLATION = ASSETS / "learning_ablation.json"
 # The side-by-side rollout: the tail shape at the size the demo's comparison uses.
 PROMPTS, GROUP, CAP, MEDIAN = 4, 8, 512, 128
 FIXED_K = (2,)
@@ -282,7 +285,40 @@ def report(data: dict) -> str:
                 + " |"
             )
     lines += ["", "![learning curve and speedup](../assets/learning_run.png)"]
+    if ABLATION.is_file():
+        lines += ["", *ablation_table(json.loads(ABLATION.read_text())["arms"], data)]
     return "\n".join(lines)
+
+
+def ablation_table(arms: list[dict], data: dict) -> list[str]:
+    """One row per recipe: what it changed and how its run went."""
+    shipped = {
+        "name": "shipped recipe",
+        "change": "no format bonus; rollouts at T = 0.7, log-probabilities at T = 0.7; lr 1e-4",
+        "command": data["training"].get("command", data["command"]),
+        "stopped": None,
+        **data["training"],
+    }
+    lines = [
+        "### Ablation: the recipes tried, one run each on this machine",
+        "",
+        "| recipe | what differs | iterations | held-out greedy accuracy by iteration | "
+        "reward slope [95%] | entropy at T=1, first -> last | response tokens, first -> last |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm in [*arms, shipped]:
+        records, evals = arm["records"], arm["evals"]
+        slope, low, high = _slope([r["reward_mean"] for r in records])
+        accuracy = ", ".join(f"{e['iteration']}: {e['accuracy']:.2f}" for e in evals)
+        lines.append(
+            f"| {arm['name']} | {arm['change']} | {len(records)}"
+            + (f" ({arm['stopped']})" if arm["stopped"] else "")
+            + f" | {accuracy} | {slope:+.4f} [{low:+.4f}, {high:+.4f}] | "
+            f"{records[0]['policy_entropy']:.2f} -> {records[-1]['policy_entropy']:.2f} | "
+            f"{records[0]['response_length']:.0f} -> {records[-1]['response_length']:.0f} |"
+        )
+    lines += ["", "Commands: " + "; ".join(f"{a['name']}: `{a['command']}`" for a in arms)]
+    return lines
 
 
 def plot(data: dict) -> None:

@@ -303,6 +303,12 @@ def main() -> None:
         default="",
         help="comma-separated configurations to run (no spec always runs); default: all",
     )
+    ap.add_argument(
+        "--outside",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the prompts outside the head's training task, at B = 1 and all of them",
+    )
     ap.add_argument("--trained-iterations", type=int, default=12)
     ap.add_argument("--trained-lr", type=float, default=1e-4)
     ap.add_argument(
@@ -363,7 +369,7 @@ def main() -> None:
     max_batch = max(
         [
             *batch_sizes,
-            len(OUTSIDE_PROMPTS),
+            *([len(OUTSIDE_PROMPTS)] if args.outside else []),
             *(SHAPES[s][1] * SHAPES[s][2] for s in grpo_shapes),
             *([len(TAIL.prompts)] if "tail" in shapes else []),
         ]
@@ -376,7 +382,7 @@ def main() -> None:
         for b in batch_sizes:
             sampling = SamplingSettings(max_tokens=args.tokens, ignore_eos=True, temperature=temp)
             workloads.append(("fixed", f"{temp:g}/{b}", "base", questions[:b], sampling, {}))
-        for b in (1, len(OUTSIDE_PROMPTS)):
+        for b in (1, len(OUTSIDE_PROMPTS)) if args.outside else ():
             sampling = SamplingSettings(max_tokens=args.tokens, ignore_eos=True, temperature=temp)
             workloads.append(
                 ("outside", f"{temp:g}/{b}", "base", OUTSIDE_PROMPTS[:b], sampling, {})
