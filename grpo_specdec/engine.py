@@ -20,6 +20,7 @@ from grpo_specdec.engine_config import EngineConfig, SamplingSettings
 from grpo_specdec.modelcheck import draft_method
 from grpo_specdec.swap_files import swap_file
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
+from vllm_plugin import patches
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.patches import group_drafts_v0_32, runner_name
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
@@ -198,8 +199,31 @@ class Engine:
         if cfg.engine_process == "in_process":
             _LIVE_IN_PROCESS.add(self)
         self.tokenizer = self.llm.get_tokenizer()
-        self._device = self.llm.llm_engine.vllm_config.device_config.device_type
+        vllm_config = self.llm.llm_engine.vllm_config
+        self._device = vllm_config.device_config.device_type
         self._warned_seed = False
+        # Which runner vLLM gave this engine, and so which of the process's patches act in it.
+        self.runner = patches.engine_runner(vllm_config)
+        self.patches = patches.acting(vllm_plugin.PATCHED, self.runner)
+        if spec is not None:
+            self._check_runner(spec)
+
+    def _check_runner(self, spec) -> None:
+        """Refuse a feature that cannot act on the runner this engine got; say what is lost."""
+        if spec.controller.group.enabled and "group_drafts_v0_32" not in self.patches:
+            self.shutdown()
+            raise ValueError(
+                "speculative.controller.group.enabled: group drafts are a patch of vLLM 0.32's "
+                f"Model Runner V1, and this engine runs Model Runner {self.runner} (vLLM forces "
+                "V2 for watermarking and HiSparse attention, whatever VLLM_USE_V2_MODEL_RUNNER "
+                "says): no group draft would ever be proposed"
+            )
+        if spec.concurrency_aware and "free_k0_v0_32" not in self.patches:
+            logger.warning(
+                "Model Runner %s: the free k = 0 patch does not act in this engine, so a step "
+                "the controller turns drafting off for still runs the draft pass",
+                self.runner,
+            )
 
     # ---- prompts -------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = True) -> list[int]:

@@ -269,3 +269,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def plugin_log_lines(caplog, level: int, action) -> list[str]:
+    """The plugin's log lines while `action()` runs, as vLLM's configured "vllm" logger
+    receives them (it does not propagate to the root, where caplog listens: a record that
+    reaches caplog here is one vLLM's own handler prints)."""
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(level, logger="vllm.vllm_plugin"):
+            action()
+    finally:
+        vllm_logger.removeHandler(caplog.handler)
+    return [r.getMessage() for r in caplog.records if r.name.startswith("vllm.vllm_plugin")]

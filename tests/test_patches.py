@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from grpo_specdec.engine import SamplingSettings
+from tests.conftest import plugin_log_lines
 from vllm_plugin.patches import cpu_expand_kernel_v0_32 as patch
 
 
@@ -61,10 +62,12 @@ def test_patches_for_another_vllm_say_so_once(monkeypatch, caplog):
     monkeypatch.setattr(vllm, "__version__", "0.33.1")
     monkeypatch.setattr(vllm_plugin, "PATCHED", [])
     monkeypatch.setattr(vllm_plugin, "SKIPPED", [])
-    with caplog.at_level(logging.WARNING, logger="vllm_plugin"):
+
+    def twice():
         vllm_plugin.register()
         vllm_plugin.register()
-    lines = [r.getMessage() for r in caplog.records if r.name == "vllm_plugin"]
+
+    lines = plugin_log_lines(caplog, logging.WARNING, twice)
     assert all("vLLM 0.32.0" in line and "vLLM 0.33.1" in line for line in lines)
     for name in ("cpu_expand_kernel_v0_32", "cpu_rejection_sample_v0_32"):
         assert sum(f"patch {name} " in line for line in lines) == 1, lines

@@ -19,7 +19,7 @@ from vllm.platforms import current_platform
 import vllm_plugin
 from grpo_specdec.engine import Engine
 from grpo_specdec.vllm_compat import reread_environment
-from tests.conftest import tiny_engine_config
+from tests.conftest import plugin_log_lines, tiny_engine_config
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 V1_PATCHES = {"free_k0_v0_32", "group_drafts_v0_32"}
@@ -70,9 +70,7 @@ def on_cuda(monkeypatch, fresh_plugin):
 
 
 def register(caplog) -> list[str]:
-    with caplog.at_level(logging.INFO, logger="vllm_plugin"):
-        vllm_plugin.register()
-    return [r.getMessage() for r in caplog.records if r.name.startswith("vllm_plugin")]
+    return plugin_log_lines(caplog, logging.INFO, vllm_plugin.register)
 
 
 def test_on_cuda_vllm_alone_runs_v2(on_cuda):
@@ -207,3 +205,63 @@ def test_group_drafts_start_on_the_v1_runner_the_plugin_selects(
     vllm_plugin.register()
     kwargs = engine_kwargs(monkeypatch, group_config(tiny_target, tiny_draft))
     assert kwargs["async_scheduling"] is False
+
+
+# ---- the runner an engine actually got ----------------------------------------------------------
+class StubConfig:
+    """What vLLM's `VllmConfig.use_v2_model_runner` reads, with the features that force V2."""
+
+    use_v2_model_runner = VllmConfig.use_v2_model_runner
+
+    def __init__(self, watermark=None, hisparse=None):
+        self.attention_config = SimpleNamespace(hisparse_config=hisparse)
+        self.watermark_config = watermark
+
+    def _get_v2_model_runner_unsupported_features(self):
+        return []
+
+
+def test_watermarking_gets_v2_whatever_the_variable_and_no_v1_patch_acts_there(
+    fresh_plugin, monkeypatch
+):
+    from vllm_plugin import patches
+
+    monkeypatch.setenv(RUNNER_ENV, "0")
+    reread_environment()
+    vllm_plugin.register()
+    assert patches.engine_runner(StubConfig()) == "V1"
+    assert patches.engine_runner(StubConfig(watermark=object())) == "V2"
+    applied = set(vllm_plugin.PATCHED)
+    assert set(patches.acting(vllm_plugin.PATCHED, "V1")) == applied
+    assert set(patches.acting(vllm_plugin.PATCHED, "V2")) == applied - V1_PATCHES - CPU_V1_PATCHES
+
+
+def test_an_engine_on_v2_refuses_group_drafts_and_warns_that_k0_steps_draft(
+    fresh_plugin, caplog, tiny_target, tiny_draft
+):
+    """vLLM gave the engine V2 (as for a watermarking config): group drafts would never
+    draft, so the engine refuses them by name; without them it starts, and says that its
+    k = 0 steps still run the draft pass."""
+    from vllm_plugin import patches
+
+    vllm_plugin.register()
+    engine = Engine.__new__(Engine)  # as started: only the runner vLLM chose matters here
+    engine.runner = "V2"
+    engine.patches = patches.acting(vllm_plugin.PATCHED, "V2")
+    group = group_config(tiny_target, tiny_draft).speculative
+    with pytest.raises(ValueError, match=r"group.enabled.*Model Runner V2.*watermarking"):
+        engine._check_runner(group)
+    aware = tiny_engine_config(
+        tiny_target, tiny_draft, speculative={"draft": tiny_draft, "concurrency_aware": True}
+    ).speculative
+    with caplog.at_level(logging.WARNING, logger="grpo_specdec.engine"):
+        engine._check_runner(aware)
+    assert any("free k = 0 patch does not act" in r.getMessage() for r in caplog.records)
+    engine.runner, engine.patches = "V1", list(vllm_plugin.PATCHED)
+    engine._check_runner(group)  # on V1 both act
+
+
+def test_an_engine_says_which_runner_it_got_and_which_patches_act_in_it(eagle_engine):
+    assert eagle_engine.runner == "V1"
+    assert set(eagle_engine.patches) == set(vllm_plugin.PATCHED)
+    assert {"free_k0_v0_32", "group_drafts_v0_32"} <= set(eagle_engine.patches)

@@ -19,7 +19,9 @@ turns on multiprocess metrics, so that /metrics shows the engine core's (see
 import logging
 import os
 
-logger = logging.getLogger(__name__)
+# under vLLM's "vllm" logger, whose handler vLLM configures: a logger of our own has none,
+# and Python drops its INFO records
+logger = logging.getLogger(f"vllm.{__name__}")
 
 LOADED = False
 RUNNER: str | None = None  # the model runner this process's engines run: "V1" or "V2"

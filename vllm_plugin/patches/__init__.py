@@ -15,7 +15,9 @@ import os
 
 from vllm_plugin import compat
 
-logger = logging.getLogger(__name__)
+# under vLLM's "vllm" logger, whose handler vLLM configures: a logger of our own has none,
+# and Python drops its INFO records
+logger = logging.getLogger(f"vllm.{__name__}")
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 # What the patches of V1 give, lost where V2 runs.
@@ -44,6 +46,24 @@ def runs_v1_model_runner() -> bool:
 
 def runner_name() -> str:
     return "V1" if runs_v1_model_runner() else "V2"
+
+
+def engine_runner(vllm_config) -> str:
+    """The model runner an engine of `vllm_config` runs, as vLLM decides it for that engine:
+    besides VLLM_USE_V2_MODEL_RUNNER and Triton, watermarking and HiSparse attention force
+    V2 whatever the variable says."""
+    return "V2" if vllm_config.use_v2_model_runner else "V1"
+
+
+def acting(patched: list[str], runner: str) -> list[str]:
+    """Of the patches applied in this process, those that act in an engine on `runner`: on
+    V2, none of those that change the V1 runner (V2 never calls what they change)."""
+    import importlib
+
+    def needs_v1(name: str) -> bool:
+        return importlib.import_module(f"{__name__}.{name}").NEEDS_V1_RUNNER
+
+    return [name for name in patched if runner == "V1" or not needs_v1(name)]
 
 
 def choose_model_runner() -> None:

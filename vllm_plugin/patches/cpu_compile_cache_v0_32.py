@@ -18,6 +18,7 @@ from __future__ import annotations
 from vllm_plugin.patches import running_on_cpu
 
 TARGET_VERSION = "0.32.0"
+NEEDS_V1_RUNNER = False
 
 
 def finalize_loading(self, vllm_config) -> None:

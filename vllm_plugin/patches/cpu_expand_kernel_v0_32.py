@@ -19,6 +19,7 @@ import torch
 from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 
 TARGET_VERSION = "0.32.0"
+NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 
 
 def expand_kernel_impl(

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from vllm_plugin.patches import running_on_cpu
 
 TARGET_VERSION = "0.32.0"
+NEEDS_V1_RUNNER = False
 
 
 def instance_namespace(value) -> Mapping:

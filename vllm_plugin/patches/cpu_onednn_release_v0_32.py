@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from vllm_plugin.patches import running_on_cpu
 
 TARGET_VERSION = "0.32.0"
+NEEDS_V1_RUNNER = False
 
 
 def release_handle(handler) -> None:

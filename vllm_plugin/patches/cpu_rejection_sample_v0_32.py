@@ -32,6 +32,7 @@ import torch
 from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 
 TARGET_VERSION = "0.32.0"
+NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 # Attribute of a draft-probabilities tensor in a reduced vocabulary: its columns' target ids.
 VOCAB_IDS_ATTR = "grpo_vocab_ids"
 # Attribute of a draft-probabilities tensor: a bool per row, True where the draft token was

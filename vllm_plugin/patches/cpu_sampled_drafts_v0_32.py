@@ -34,6 +34,7 @@ from vllm_plugin.patches.cpu_rejection_sample_v0_32 import (
 from vllm_plugin.patches.group_drafts_v0_32 import ONE_HOT_REQS_ATTR
 
 TARGET_VERSION = "0.32.0"
+NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 
 
 def head_vocab_ids(model) -> torch.Tensor | None:

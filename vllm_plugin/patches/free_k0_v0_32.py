@@ -41,6 +41,7 @@ import torch
 from vllm_plugin.patches import runs_v1_model_runner
 
 TARGET_VERSION = "0.32.0"
+NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 ENABLED = True  # tests and benchmarks compare with vLLM's always-run path in one process
 MAX_KEPT_BYTES = 256 << 20  # per engine: ~32k positions of a 4096-wide bf16 model
 

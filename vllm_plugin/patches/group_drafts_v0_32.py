@@ -33,6 +33,7 @@ import logging
 from vllm_plugin.patches import runs_v1_model_runner
 
 TARGET_VERSION = "0.32.0"
+NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 DRAFTER_ATTR = "_grpo_group"  # where the patched runner holds its GroupDrafter
 # Where it names the requests whose cached q (reduced vocabulary) stands for a one-hot draft.
 ONE_HOT_REQS_ATTR = "_grpo_one_hot_reqs"
