@@ -237,3 +237,35 @@ def test_kept_inputs_are_bounded():
         capacity=64,
     )
     assert out[1].tolist() == [2, 3, 4, 102, 103, 104]
+
+
+def test_under_async_scheduling_the_lazy_pass_stands_aside(engine):
+    """vLLM turns async scheduling on for EAGLE on CUDA (off on CPU): there the patch keeps
+    nothing and drafts as vLLM ships, with a warning; synchronous, the same drafter is
+    eligible."""
+
+    def eligible_when(async_scheduling: bool):
+        def check(worker):
+            proposer = worker.model_runner.drafter
+            scheduler = proposer.vllm_config.scheduler_config
+            before, scheduler.async_scheduling = scheduler.async_scheduling, async_scheduling
+            try:
+                return free_k0._eligible(proposer)
+            finally:
+                scheduler.async_scheduling = before
+
+        return engine.llm.collective_rpc(check)
+
+    assert eligible_when(False) == [True]
+    assert eligible_when(True) == [False]
+
+
+def test_under_async_scheduling_a_step_without_drafts_samples_as_vllm_ships():
+    from types import SimpleNamespace
+
+    seen = []
+    sample = free_k0._wrap_sample(lambda runner, logits, meta: seen.append(meta))
+    nothing_drafted = SimpleNamespace(max_spec_len=0)
+    sample(SimpleNamespace(use_async_scheduling=False), None, nothing_drafted)
+    sample(SimpleNamespace(use_async_scheduling=True), None, nothing_drafted)
+    assert seen == [None, nothing_drafted]

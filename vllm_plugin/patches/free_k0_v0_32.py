@@ -26,13 +26,14 @@ Kept inputs are bounded (`MAX_KEPT_BYTES`); beyond that, and where a request's
 positions stop being contiguous (preemption), the oldest are dropped: the draft then
 attends to stale KV there, which lowers acceptance but never changes outputs (every
 draft is verified by the target). Applies to EAGLE / EAGLE-3 chain drafting with one
-data-parallel and one pipeline rank, on vLLM's V1 model runner (V2 never calls these
-classes; see `patches/__init__.py`); anything else keeps vLLM's behaviour.
+data-parallel and one pipeline rank, scheduled synchronously, on vLLM's V1 model runner (V2
+never calls these classes; see `patches/__init__.py`); anything else keeps vLLM's behaviour.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections import deque
 from dataclasses import dataclass
 
@@ -40,8 +41,19 @@ import torch
 
 from vllm_plugin.patches import runs_v1_model_runner
 
+logger = logging.getLogger(f"vllm.{__name__}")
+
 TARGET_VERSION = "0.32.0"
 NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
+# Under async scheduling the runner hands the next step the drafter's output on the device
+# before this step's results are read, a path the lazy pass was never built or tested on:
+# there the patch stands aside (vLLM turns async scheduling on by default for EAGLE on CUDA).
+ASYNC_OFF = (
+    "grpo-specdec: the free k = 0 step is off in this engine, which schedules asynchronously "
+    "(vLLM's default for EAGLE on GPU): a step the controller gives k = 0 still runs the "
+    "draft pass and the rejection sampler, as vLLM ships it; start the engine with "
+    "async_scheduling=False (`vllm serve --no-async-scheduling`) to have it"
+)
 ENABLED = True  # tests and benchmarks compare with vLLM's always-run path in one process
 MAX_KEPT_BYTES = 256 << 20  # per engine: ~32k positions of a 4096-wide bf16 model
 
@@ -156,7 +168,7 @@ def _eligible(proposer) -> bool:
     from vllm.v1.spec_decode.eagle import EagleProposer
 
     parallel = proposer.vllm_config.parallel_config
-    return (
+    eligible = (
         isinstance(proposer, EagleProposer)
         and proposer.method in ("eagle", "eagle3")
         and not proposer.needs_extra_input_slots
@@ -166,6 +178,10 @@ def _eligible(proposer) -> bool:
         and parallel.data_parallel_size == 1
         and parallel.pipeline_parallel_size == 1
     )
+    if eligible and proposer.vllm_config.scheduler_config.async_scheduling:
+        logger.warning(ASYNC_OFF)
+        return False
+    return eligible
 
 
 def kept_inputs(proposer) -> KeptDraftInputs | None:
@@ -272,7 +288,12 @@ def _wrap_runner(original):
 
 def _wrap_sample(original):
     def _sample(self, logits, spec_decode_metadata):
-        if ENABLED and spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+        if (
+            ENABLED
+            and not self.use_async_scheduling
+            and spec_decode_metadata is not None
+            and spec_decode_metadata.max_spec_len == 0
+        ):
             spec_decode_metadata = None
         return original(self, logits, spec_decode_metadata)
 
