@@ -294,7 +294,8 @@ def ablation_table(arms: list[dict], data: dict) -> list[str]:
     """One row per recipe: what it changed and how its run went."""
     shipped = {
         "name": "shipped recipe",
-        "change": "no format bonus; rollouts at T = 0.7, log-probabilities at T = 0.7; lr 1e-4",
+        "change": "no format bonus; rollouts at T = 0.7, log-probabilities at T = 0.7; lr 3e-5; "
+        "8 prompts x 8 per iteration",
         "command": data["training"].get("command", data["command"]),
         "stopped": None,
         **data["training"],

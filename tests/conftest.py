@@ -284,4 +284,6 @@ def plugin_log_lines(caplog, level: int, action) -> list[str]:
             action()
     finally:
         vllm_logger.removeHandler(caplog.handler)
-    return [r.getMessage() for r in caplog.records if r.name.startswith("vllm.vllm_plugin")]
+    # where "vllm" does propagate (vLLM not configured yet), a record arrives twice
+    records = {id(r): r for r in caplog.records if r.name.startswith("vllm.vllm_plugin")}
+    return [r.getMessage() for r in records.values()]
