@@ -41,13 +41,13 @@ $(STAMP): pyproject.toml
 test: setup
 	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider --durations=15
 
-# A short SmolLM2 GRPO job: speculative rollouts with the package's arithmetic head, which
+# A short SmolLM2 GRPO job (the shipped recipe at half its batch, 4 prompts x 8): speculative rollouts with the package's arithmetic head, which
 # keeps learning online; ends with a first-vs-last-iterations summary table and the next
 # batch rolled out as the tail shape with and without speculation, side by side.
 demo: setup
 	$(RUN) $(PY) -m grpo_specdec train --config configs/smollm2_arith.yaml \
-		iterations=4 checkpoint_every=4 out=runs/demo-$$(date +%Y%m%d-%H%M%S) \
-		compare_at_end=true
+		iterations=4 checkpoint_every=4 rollout.prompts_per_iteration=4 \
+		out=runs/demo-$$(date +%Y%m%d-%H%M%S) compare_at_end=true
 
 bench: setup
 	$(RUN) $(PY) benchmarks/rollout_throughput.py
