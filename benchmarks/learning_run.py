@@ -270,7 +270,7 @@ def report(data: dict) -> str:
         "after EOS |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, p in data.get("points", {}).items():
+    for name, p in sorted(data.get("points", {}).items(), key=lambda kv: kv[1]["iteration"]):
         for config, v in p["configs"].items():
             sp = v["speedup"]
             lines.append(
