@@ -31,6 +31,7 @@ class FakeEngine:
         self.sched = FakeScheduler()
         self.prefix_cache_resets = 0
         self.llm = SimpleNamespace(reset_prefix_cache=self._reset)
+        self.tokenizer = SimpleNamespace(eos_token_id=2)
         self.clock = 0.0
 
     def _reset(self):
