@@ -31,6 +31,7 @@ from vllm_plugin.controller import (
     FixedPolicy,
     fit_attention,
     fit_latency,
+    own_steps,
     profile_latency,
     timed_temperature,
 )
@@ -174,9 +175,7 @@ def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
     simulator adds (`unprofiled`), where they were timed."""
     temperature = timed_temperature(cfg.draft_sampling)
     steps = [r for r in rows if not r.get("prefill")]
-    own = [r for r in steps if r.get("temperature", temperature) == temperature]
-    short = [r for r in own if not r.get("long_context")]
-    long = [r for r in own if r.get("long_context")]
+    short, long = own_steps(rows, cfg.draft_sampling)
     latency, rms = fit_latency(
         [r["batch"] for r in short], [r["k"] for r in short], [r["ms"] for r in short]
     )

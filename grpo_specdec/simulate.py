@@ -31,8 +31,8 @@ from vllm_plugin.controller import (
     PaperPolicy,
     Policy,
     expected_tokens,
+    own_steps,
     profile_latency,
-    timed_temperature,
 )
 
 TAIL_AFTER = 0.9  # the tail phase starts once this share of requests has finished
@@ -99,13 +99,9 @@ class MeasuredSteps:
 
     @classmethod
     def from_profile(cls, profile: dict) -> MeasuredSteps:
-        temperature = timed_temperature(profile.get("key", {}).get("draft_sampling", "greedy"))
-        own = [
-            r
-            for r in profile.get("measurements", [])
-            if not r.get("prefill") and r.get("temperature", temperature) == temperature
-        ]
-        short = {(r["batch"], r["k"]): r for r in own if not r.get("long_context")}
+        draft_sampling = profile.get("key", {}).get("draft_sampling", "greedy")
+        short_rows, long_rows = own_steps(profile.get("measurements", []), draft_sampling)
+        short = {(r["batch"], r["k"]): r for r in short_rows}
         if not short:
             raise ValueError("profile: no timed steps in its `measurements`")
         batches = sorted({b for b, _ in short})
@@ -113,7 +109,7 @@ class MeasuredSteps:
         missing = [(b, k) for b in batches for k in ks if (b, k) not in short]
         if missing:
             raise ValueError(f"profile: no timed step at (B, k) = {missing[0]}")
-        long = {(r["batch"], r["k"]): r for r in own if r.get("long_context")}
+        long = {(r["batch"], r["k"]): r for r in long_rows}
         long_batches = sorted({b for b, _ in long})
         long_ks = sorted({k for _, k in long})
         per_context = [

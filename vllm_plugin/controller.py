@@ -187,14 +187,8 @@ def profile_latency(profile: dict) -> LatencyModel:
     latency = LatencyModel.from_dict(profile["latency"])
     if "attention_per_seq" in profile["latency"]:
         return latency
-    temperature = timed_temperature(profile.get("key", {}).get("draft_sampling", "greedy"))
-    long = [
-        r
-        for r in profile.get("measurements", [])
-        if r.get("long_context")
-        and not r.get("prefill")
-        and r.get("temperature", temperature) == temperature
-    ]
+    draft_sampling = profile.get("key", {}).get("draft_sampling", "greedy")
+    _, long = own_steps(profile.get("measurements", []), draft_sampling)
     if not long:
         return latency
     fields = ("batch", "k", "context", "ms")
@@ -208,6 +202,16 @@ def profile_latency(profile: dict) -> LatencyModel:
 def timed_temperature(draft_sampling: str) -> float:
     """The temperature a profile's own steps sample at: sampled drafting is timed at T = 1."""
     return 0.0 if draft_sampling == "greedy" else 1.0
+
+
+def own_steps(rows: list[dict], draft_sampling: str) -> tuple[list[dict], list[dict]]:
+    """A profile's decode steps timed at its own temperature (not the prefill steps, nor
+    those timed again at T = 1 for the simulator), split into (short, long) context."""
+    temperature = timed_temperature(draft_sampling)
+    own = [
+        r for r in rows if not r.get("prefill") and r.get("temperature", temperature) == temperature
+    ]
+    return [r for r in own if not r.get("long_context")], [r for r in own if r.get("long_context")]
 
 
 class AcceptanceEstimator:

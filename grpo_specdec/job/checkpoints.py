@@ -1,6 +1,7 @@
 """Checkpoint folders of the GRPO job: writing one atomically and durably (fsynced before
-`latest` names it), finding the newest complete one, checking one is whole before any work starts from it, making the one a resume starts
-from the newest (the only timeline), and replacing a folder the job writes whole."""
+`latest` names it), finding the newest complete one, checking one is whole before any work
+starts from it, making the one a resume starts from the newest (the only timeline), and
+replacing a folder the job writes whole."""
 
 from __future__ import annotations
 
