@@ -617,6 +617,34 @@ def _ratio_table(per_key: dict, keys: list[str], header: list[str]) -> list[str]
     return lines
 
 
+def _fixed_summary(fixed: dict, keys: list[str]) -> str:
+    """Ours against the best fixed k, and k = 0 with the draft loaded against no
+    speculation, at each B: the parts of it that this run measured."""
+    names = set(fixed[keys[0]])
+    fixed_k = sorted(n for n in names if n.startswith("k=") and n[2] != "0")
+    parts = []
+    if "ours" in names and fixed_k:
+        parts.append(
+            "Ours vs the best fixed k: "
+            + ", ".join(
+                f"B={k.split('/')[1]}: "
+                f"{fixed[k]['ours']['tokens_per_s'] / max(fixed[k][n]['tokens_per_s'] for n in fixed_k):.2f}x"
+                for k in keys
+            )
+            + "."
+        )
+    k0 = [n for n in ("k=0 (draft loaded)", "k=0, vLLM as shipped") if n in names]
+    if k0:
+        parts.append(
+            f"{' / '.join(k0)} vs no speculation: "
+            + ", ".join(
+                f"B={k.split('/')[1]}: " + " / ".join(_x(fixed[k][n]) for n in k0) for k in keys
+            )
+            + "."
+        )
+    return " ".join(parts)
+
+
 def report(r: dict) -> str:
     a = r["args"]
     res = r["results"]
@@ -655,29 +683,7 @@ def report(r: dict) -> str:
             *_ratio_table(fixed, keys, [f"B={b}" for b in bs]),
             "",
         ]
-        best = {
-            k: max(
-                v["tokens_per_s"] for n, v in fixed[k].items() if n.startswith("k=") and n[2] != "0"
-            )
-            for k in keys
-        }
-        lines.append(
-            "Ours vs the best fixed k: "
-            + ", ".join(
-                f"B={k.split('/')[1]}: {fixed[k]['ours']['tokens_per_s'] / best[k]:.2f}x"
-                for k in keys
-            )
-            + ". k = 0 with the draft loaded vs no speculation, with the free-k=0 patch / as vLLM ships it: "
-            + ", ".join(
-                f"B={k.split('/')[1]}: "
-                + " / ".join(
-                    f"{fixed[k][n]['tokens_per_s'] / fixed[k]['no spec']['tokens_per_s']:.2f}x"
-                    for n in ("k=0 (draft loaded)", "k=0, vLLM as shipped")
-                )
-                for k in keys
-            )
-            + "."
-        )
+        lines.append(_fixed_summary(fixed, keys))
     outside = res.get("outside", {})
     if outside:
         keys = sorted(outside, key=lambda k: (float(k.split("/")[0]), int(k.split("/")[1])))
