@@ -84,6 +84,7 @@ class KeptDraftInputs:
         self.max_bytes = max_bytes
         self.skipped_passes = 0  # for tests and logs
         self.caught_up_positions = 0
+        self.dropped_steps = 0
 
     def keep(self, step: SkippedStep) -> None:
         self.steps.append(step)
@@ -91,6 +92,7 @@ class KeptDraftInputs:
         self.skipped_passes += 1
         while self.nbytes > self.max_bytes:
             self.nbytes -= self.steps.popleft().nbytes
+            self.dropped_steps += 1
 
     def clear(self) -> None:
         self.steps.clear()
@@ -190,8 +192,20 @@ def kept_inputs(proposer) -> KeptDraftInputs | None:
     return proposer._grpo_kept
 
 
+def _named_arguments(original):
+    """A function that maps a call's arguments to `original`'s parameter names (the
+    positional ones in order, then the keywords): `inspect.Signature.bind` costs more than
+    the rest of a step's bookkeeping here, and these signatures take no *args."""
+    names = list(inspect.signature(original).parameters)
+
+    def named(*args, **kwargs) -> dict:
+        return {**dict(zip(names, args)), **kwargs}
+
+    return named
+
+
 def _wrap_propose(original):
-    signature = inspect.signature(original)
+    named = _named_arguments(original)
 
     def propose(self, *args, **kwargs):
         step, self._grpo_step = getattr(self, "_grpo_step", None), None
@@ -199,14 +213,14 @@ def _wrap_propose(original):
         if kept is None or step is None or not ENABLED:
             return original(self, *args, **kwargs)
         req_ids, num_draft_tokens = step
-        call_args = signature.bind(self, *args, **kwargs).arguments
+        call_args = named(self, *args, **kwargs)
         attn_metadata = call_args["common_attn_metadata"]
         n = int(attn_metadata.num_actual_tokens)
         query_lens = torch.diff(attn_metadata.query_start_loc_cpu).tolist()
         # Decode-only: every request's tokens are its last sampled one and its drafts.
         decode_only = all(q == 1 + d for q, d in zip(query_lens, num_draft_tokens))
         if call_args["num_speculative_tokens"] == 0 and decode_only:
-            rows = torch.arange(n, device=attn_metadata.seq_lens.device)
+            rows = slice(0, n)
             row_req_ids = list(req_ids)
             if any(num_draft_tokens):
                 # Drafts were verified: keep what was accepted (rejected positions are
@@ -218,7 +232,7 @@ def _wrap_propose(original):
                 valid = [q - r for q, r in zip(query_lens, rejected.tolist())]
                 starts = attn_metadata.query_start_loc_cpu.tolist()
                 index = [j for s, v in zip(starts, valid) for j in range(s, s + v)]
-                rows = torch.tensor(index, device=rows.device)
+                rows = torch.tensor(index, device=attn_metadata.seq_lens.device)
                 row_req_ids = [r for r, v in zip(req_ids, valid) for _ in range(v)]
             kept.keep(
                 SkippedStep(
@@ -269,10 +283,10 @@ def _wrap_propose(original):
 
 
 def _wrap_runner(original):
-    signature = inspect.signature(original)
+    named = _named_arguments(original)
 
     def propose_draft_token_ids(self, *args, **kwargs):
-        spec = signature.bind(self, *args, **kwargs).arguments["spec_decode_metadata"]
+        spec = named(self, *args, **kwargs)["spec_decode_metadata"]
         # vLLM 0.32 builds this metadata on every step of a speculative engine, with a
         # zero per request when nothing was drafted.
         num_reqs = self.input_batch.num_reqs
