@@ -11,14 +11,19 @@ import torch
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import (
     LOSSLESS_ALPHA,
+    LOSSLESS_POSITIONS,
     assert_same_distribution,
     flattened_head,
+    lossless_sampling,
     target_fit,
     tiny_engine_config,
 )
-from tests.test_lossless_power import T1, assert_rejects_only_the_bias
+from tests.test_lossless_power import assert_rejects_only_the_bias
 from vllm_plugin.patches import cpu_rejection_sample_v0_32 as rejection
 from vllm_plugin.patches.cpu_sampled_drafts_v0_32 import sample_draft
+
+# From the first token (a prefill's) on: the q rows of later positions align with it.
+POSITIONS = range(0, LOSSLESS_POSITIONS.stop)
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +101,16 @@ def test_reduced_vocabulary_q_reaches_verification_in_its_own_vocabulary(
 def test_sampled_drafting_keeps_the_target_distribution(
     vocabulary, sampled_engine, sampled_full_vocab_engine, plain_engine, questions
 ):
-    """200 samples at T = 1 per prompt follow the target's exact next-token distributions
+    """Samples at T = 1 follow the target's exact next-token distributions
     (the check rejects a TV 0.05 bias in this path's verification: the tests below; the
     rule itself is checked exactly against vLLM's in test_rejection_sampler.py). Verifying
     a sampled draft as if it were one-hot would lose acceptance, not correctness: that is
     the next test."""
     engine = sampled_engine if vocabulary == "reduced" else sampled_full_vocab_engine
     prompts = questions[:3]
-    sampling = SamplingSettings(n=200, temperature=1.0, max_tokens=6, ignore_eos=True)
-    sampled = engine.generate(prompts, sampling)
+    sampled = engine.generate(prompts, lossless_sampling())
     assert sampled.spec["accepted_tokens"] > 500
-    assert_same_distribution(sampled, plain_engine, range(6))
+    assert_same_distribution(sampled, plain_engine, POSITIONS)
 
 
 def test_sampled_draft_verification_with_a_planted_bias_is_rejected(
@@ -115,9 +119,9 @@ def test_sampled_draft_verification_with_a_planted_bias_is_rejected(
     questions,
 ):
     def generate():
-        return sampled_engine.generate(questions[:3], T1)
+        return sampled_engine.generate(questions[:3], lossless_sampling())
 
-    assert_rejects_only_the_bias(generate, sampled_engine, plain_engine, True, range(6))
+    assert_rejects_only_the_bias(generate, sampled_engine, plain_engine, True, POSITIONS)
 
 
 def test_sampled_drafts_verified_against_misaligned_q_rows_are_rejected(
@@ -146,7 +150,7 @@ def test_sampled_drafts_verified_against_misaligned_q_rows_are_rejected(
     sampled_full_vocab_engine.llm.collective_rpc(misalign)
     try:
         result = sampled_full_vocab_engine.generate(
-            questions[:3], T1.model_copy(update={"n": 1000})
+            questions[:3], lossless_sampling(1000).model_copy(update={"max_tokens": 6})
         )
     finally:
         sampled_full_vocab_engine.llm.collective_rpc(
