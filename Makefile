@@ -10,7 +10,7 @@ STAMP := $(VENV)/.setup-done
 IOMP := $(CURDIR)/$(VENV)/lib/libiomp5.so
 RUN := LD_PRELOAD=$(IOMP)$${LD_PRELOAD:+:$$LD_PRELOAD} TOKENIZERS_PARALLELISM=false
 
-.PHONY: setup test demo bench bench-k0 lint clean
+.PHONY: setup test test-fast demo bench bench-k0 lint clean
 
 VERL = verl==0.9.0 tensordict==0.10.0 pyvers==0.2.3 lazy-importer==0.1.0 orjson==3.13.0 \
 	omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0
@@ -40,6 +40,10 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider --durations=15
+
+# The edit loop: all but the tests marked slow (jobs, servers, fresh processes); CI runs `test`.
+test-fast: setup
+	$(RUN) $(PY) -m pytest tests -q --timeout=600 -p no:cacheprovider -m "not slow"
 
 # A short SmolLM2 GRPO job (the shipped recipe at half its batch, 4 prompts x 8): speculative rollouts with the package's arithmetic head, which
 # keeps learning online; ends with a first-vs-last-iterations summary table and the next

@@ -129,6 +129,47 @@ def eagle_engine(tiny_target, tiny_draft):
 
 
 @pytest.fixture(scope="session")
+def free_k0_engine(tiny_target, tiny_draft, tmp_path_factory):
+    """EAGLE drafts with the free k = 0 patch, under a fixed cycle of k per step when a
+    test generates through tests/step_cycle.py."""
+    from tests.step_cycle import step_cycle_engine
+    from vllm_plugin.patches import free_k0_v0_32 as free_k0
+
+    engine = step_cycle_engine(tiny_target, tiny_draft, tmp_path_factory.mktemp("k0"), "greedy")
+    yield engine
+    free_k0.ENABLED = True
+    engine.shutdown()
+
+
+def group_controller(profile: str) -> dict:
+    return {"profile": profile, "group": {"enabled": True}}
+
+
+@pytest.fixture(scope="session")
+def group_profile(tmp_path_factory) -> str:
+    """Verification free up to 4096 tokens a step: every group draft pays, whatever the batch."""
+    import json
+
+    from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
+
+    latency = LatencyModel(HingeLatency(40.0, 4.0, 4096.0), LinearCost(0.2, 0.01))
+    path = tmp_path_factory.mktemp("group") / "profile.json"
+    path.write_text(json.dumps({"latency": latency.to_dict()}))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def group_engine(tiny_target, group_profile):
+    """Drafts from the group's text alone (no draft model)."""
+    from grpo_specdec.engine import Engine
+
+    speculative = {"draft": None, "k": 4, "controller": group_controller(group_profile)}
+    engine = Engine(tiny_engine_config(tiny_target, speculative=speculative))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
 def questions() -> list[str]:
     from grpo_specdec.tasks.arithmetic import make_problems
 

@@ -24,6 +24,9 @@ from grpo_specdec.draft.loss import acceptance, make_batch
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from tests.conftest import run_cli
 
+# a job, several engines or processes: `make test` runs it, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
 
 def test_draft_train_raises_acceptance_measured_by_the_engine(tiny_target, tmp_path):
     report_path = tmp_path / "report.json"

@@ -13,6 +13,9 @@ import torch
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import run_cli, tiny_engine_config
 
+# a job, several engines or processes: `make test` runs it, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=24)
 CACHE_LOADED = "Directly load AOT compilation"
 CACHE_MISSED = "Compiling model again due to a load failure"
@@ -79,7 +82,6 @@ def test_engines_start_one_after_another_after_an_ngram_engine(
         assert got.spec["drafts"] > 0
 
 
-@pytest.mark.slow
 def test_compiled_eagle_engine_starts_from_the_cache_in_fresh_processes(
     tiny_target, tiny_draft, questions, tmp_path
 ):

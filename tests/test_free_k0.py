@@ -4,84 +4,28 @@ the catch-up logic on its own."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 
-from grpo_specdec.engine import Engine, SamplingSettings
-from tests.conftest import assert_same_distribution, lossless_sampling, tiny_engine_config
-from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
+from grpo_specdec.engine import SamplingSettings
+from tests.conftest import assert_same_distribution, lossless_sampling
+from tests.step_cycle import generate_under_the_step_cycle, step_cycle_engine
 from vllm_plugin.patches import free_k0_v0_32 as free_k0
 
-# k per engine step, repeated: runs of k = 0 between drafting steps of several lengths.
-K_CYCLE = [0, 0, 0, 3, 0, 0, 0, 0, 2, 4, 0]
 
-
-class StepCycle:
-    """A policy that ignores the batch and walks through K_CYCLE, one entry per step."""
-
-    def __init__(self):
-        self.step = 0
-
-    def choose(self, batch_size: int, context: float | None = None) -> int:
-        self.step += 1
-        return K_CYCLE[(self.step - 1) % len(K_CYCLE)]
-
-
-def _step_cycle_engine(target, draft, folder, draft_sampling, **overrides):
-    latency = LatencyModel(HingeLatency(40.0, 4.0, 8.0), LinearCost(0.2, 0.01))
-    profile = folder / "profile.json"
-    profile.write_text(json.dumps({"latency": latency.to_dict()}))
-    speculative = {
-        "draft": draft,
-        "k": 4,
-        "draft_sampling": draft_sampling,
-        "concurrency_aware": True,
-        "controller": {"profile": str(profile)},
-    }
-    return Engine(tiny_engine_config(target, speculative=speculative, **overrides))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_target, tiny_draft, tmp_path_factory):
-    engine = _step_cycle_engine(tiny_target, tiny_draft, tmp_path_factory.mktemp("k0"), "greedy")
-    yield engine
-    free_k0.ENABLED = True
-    engine.shutdown()
+@pytest.fixture
+def engine(free_k0_engine):
+    return free_k0_engine
 
 
 @pytest.fixture(scope="module")
 def sampled_engine(tiny_target, tiny_draft, tmp_path_factory):
     folder = tmp_path_factory.mktemp("k0_sampled")
-    engine = _step_cycle_engine(tiny_target, tiny_draft, folder, "probabilistic")
+    engine = step_cycle_engine(tiny_target, tiny_draft, folder, "probabilistic")
     yield engine
     free_k0.ENABLED = True
     engine.shutdown()
-
-
-def _kept_counts(engine) -> tuple[int, int]:
-    def read(worker):
-        kept = free_k0.kept_inputs(worker.model_runner.drafter)
-        return kept.skipped_passes, kept.caught_up_positions
-
-    return engine.llm.collective_rpc(read)[0]
-
-
-def _generate(engine, enabled: bool, prompts, sampling):
-    """Generate with the patch on or off, under the step cycle; also the draft passes
-    skipped and positions caught up during the call."""
-    free_k0.ENABLED = enabled
-    scheduler = engine.scheduler()
-    scheduler.set_policy(StepCycle(), scheduler.new_acceptance())
-    engine.llm.reset_prefix_cache()
-    before = np.array(_kept_counts(engine))
-    try:
-        result = engine.generate(prompts, sampling)
-    finally:
-        free_k0.ENABLED = True
-    return result, tuple(np.array(_kept_counts(engine)) - before)
 
 
 def _tokens(result) -> list[list[int]]:
@@ -90,8 +34,8 @@ def _tokens(result) -> list[list[int]]:
 
 def test_skipped_draft_passes_are_caught_up_to_the_same_drafts(engine, plain_engine, questions):
     sampling = SamplingSettings(max_tokens=48, ignore_eos=True)
-    always, always_kept = _generate(engine, False, questions[:12], sampling)
-    lazy, lazy_kept = _generate(engine, True, questions[:12], sampling)
+    always, always_kept = generate_under_the_step_cycle(engine, False, questions[:12], sampling)
+    lazy, lazy_kept = generate_under_the_step_cycle(engine, True, questions[:12], sampling)
     assert always_kept == (0, 0)
     skipped, caught_up = lazy_kept
     assert skipped > 0 and caught_up > 0
@@ -106,9 +50,11 @@ def test_without_the_catch_up_drafts_get_worse(engine, questions, monkeypatch):
     """The equality above is not for free: a draft whose KV cache has holes where steps
     were skipped accepts fewer tokens (the outputs stay the same: drafts are verified)."""
     sampling = SamplingSettings(max_tokens=48, ignore_eos=True)
-    always, _ = _generate(engine, False, questions[:12], sampling)
+    always, _ = generate_under_the_step_cycle(engine, False, questions[:12], sampling)
     monkeypatch.setattr(free_k0.KeptDraftInputs, "prepend", lambda *args, **kwargs: None)
-    holes, (skipped, caught_up) = _generate(engine, True, questions[:12], sampling)
+    holes, (skipped, caught_up) = generate_under_the_step_cycle(
+        engine, True, questions[:12], sampling
+    )
     assert skipped > 0 and caught_up == 0
     rate = lambda spec: spec["accepted_tokens"] / spec["draft_tokens"]  # noqa: E731
     assert rate(holes.spec) < rate(always.spec)
@@ -119,7 +65,9 @@ def test_temperature_one_distribution_is_the_target_s(engine, plain_engine, ques
     """Tokens sampled at T=1 through skipped and caught-up steps follow the target's
     exact next-token distributions (assert_same_distribution; its power is shown in
     tests/test_lossless_power.py)."""
-    lazy, (skipped, caught_up) = _generate(engine, True, questions[:3], lossless_sampling())
+    lazy, (skipped, caught_up) = generate_under_the_step_cycle(
+        engine, True, questions[:3], lossless_sampling()
+    )
     assert skipped > 0 and caught_up > 0
     assert_same_distribution(lazy, plain_engine)
 
@@ -152,7 +100,9 @@ def test_a_skipped_pass_leaves_no_draft_probabilities(sampled_engine, questions)
     sampling = SamplingSettings(temperature=1.0, max_tokens=24, ignore_eos=True)
     sampled_engine.llm.collective_rpc(_record_draft_probabilities)
     try:
-        _, (skipped, _) = _generate(sampled_engine, True, questions[:4], sampling)
+        _, (skipped, _) = generate_under_the_step_cycle(
+            sampled_engine, True, questions[:4], sampling
+        )
     finally:
         recorded = sampled_engine.llm.collective_rpc(_stop_recording)[0]
     assert any(left for k, left in recorded if k > 0)  # sampled drafts leave their q

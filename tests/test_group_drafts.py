@@ -17,6 +17,7 @@ from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import (
     assert_same_distribution,
     flattened_head,
+    group_controller,
     lossless_sampling,
     tiny_engine_config,
 )
@@ -198,36 +199,12 @@ def test_a_policy_swap_keeps_following_the_requests_still_running():
 
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory) -> str:
-    # Verification free up to 4096 tokens a step: every group draft pays, whatever the batch.
-    latency = LatencyModel(HingeLatency(40.0, 4.0, 4096.0), LinearCost(0.2, 0.01))
-    path = tmp_path_factory.mktemp("group") / "profile.json"
-    path.write_text(json.dumps({"latency": latency.to_dict()}))
-    return str(path)
-
-
-def _group(profile: str) -> dict:
-    return {"profile": profile, "group": {"enabled": True}}
-
-
-@pytest.fixture(scope="module")
-def group_engine(tiny_target, profile):
-    engine = Engine(
-        tiny_engine_config(
-            tiny_target, speculative={"draft": None, "k": 4, "controller": _group(profile)}
-        )
-    )
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hybrid_engine(tiny_target, tiny_draft, profile):
+def hybrid_engine(tiny_target, tiny_draft, group_profile):
     speculative = {
         "draft": tiny_draft,
         "k": 4,
         "concurrency_aware": True,
-        "controller": _group(profile),
+        "controller": group_controller(group_profile),
     }
     engine = Engine(tiny_engine_config(tiny_target, speculative=speculative))
     yield engine
@@ -286,7 +263,7 @@ def test_group_drafts_keep_the_target_s_distribution_at_temperature_one(
 
 
 @pytest.fixture(scope="module")
-def sampled_hybrid_engine(tiny_target, tiny_reduced_draft, profile, tmp_path_factory):
+def sampled_hybrid_engine(tiny_target, tiny_reduced_draft, group_profile, tmp_path_factory):
     """Group drafts next to sampled model drafts of a head over a reduced vocabulary (the
     group's rows flagged one-hot to the rejection sampler), flattened so that the group's
     drafts win some requests."""
@@ -295,7 +272,7 @@ def sampled_hybrid_engine(tiny_target, tiny_reduced_draft, profile, tmp_path_fac
         "k": 4,
         "draft_sampling": "probabilistic",
         "concurrency_aware": True,
-        "controller": _group(profile),
+        "controller": group_controller(group_profile),
     }
     engine = Engine(tiny_engine_config(tiny_target, speculative=speculative))
     yield engine
@@ -376,10 +353,10 @@ def test_the_scheduler_prices_k_on_the_model_drafts_as_used():
     assert scheduler.verified_by_source == {GROUP: 1, MODEL: 1}
 
 
-def test_group_drafts_refuse_engines_they_cannot_serve(monkeypatch, profile):
+def test_group_drafts_refuse_engines_they_cannot_serve(monkeypatch, group_profile):
     from vllm_plugin.patches.group_drafts_v0_32 import _build
 
-    monkeypatch.setenv(CONTROLLER_ENV, json.dumps(_group(profile)))
+    monkeypatch.setenv(CONTROLLER_ENV, json.dumps(group_controller(group_profile)))
     spec = SimpleNamespace(draft_sample_method="greedy")
     runner = SimpleNamespace(speculative_config=spec, use_async_scheduling=True)
     with pytest.raises(ValueError, match="async_scheduling=False"):

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from grpo_specdec.config import load_yaml
@@ -20,6 +21,9 @@ from grpo_specdec.job.batches import batch_at
 from grpo_specdec.job.config import TrainConfig
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
 from tests.conftest import job_overrides, job_records, run_cli
+
+# a job, several engines or processes: `make test` runs it, `make test-fast` does not
+pytestmark = pytest.mark.slow
 
 
 def _engine_greedy(

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.conftest import TINY_JOB_CONFIG, job_overrides, run_cli
+
+# a job, several engines or processes: `make test` runs it, `make test-fast` does not
+pytestmark = pytest.mark.slow
 
 # A line vLLM's logger wrote, in its own format or in the job's log file's.
 _VLLM_RECORD = re.compile(r"(WARNING|INFO) (\d\d-\d\d [\d:]+ \[\w+\.py:\d+\]|\[vllm\.)")

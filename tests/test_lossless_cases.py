@@ -1,5 +1,5 @@
 """The lossless check where speculation's bookkeeping is hardest, on the free k = 0 engine
-under its step cycle (tests/test_free_k0.py): contexts near the model's length limit,
+under its step cycle (tests/step_cycle.py): contexts near the model's length limit,
 skipped draft passes beyond what the patch keeps (the draft then attends to stale KV),
 and requests preempted and recomputed mid-generation. T = 1 outputs must still follow
 the target's exact next-token distributions (tests/conftest.py: target_fit)."""
@@ -9,22 +9,22 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import assert_same_distribution, lossless_sampling
-from tests.test_free_k0 import _generate as generate_under_the_step_cycle
-from tests.test_free_k0 import (
-    _step_cycle_engine,
-    engine,  # noqa: F401  (the free-k0 engine fixture)
-)
+from tests.step_cycle import generate_under_the_step_cycle, step_cycle_engine
 from vllm_plugin.patches import free_k0_v0_32 as free_k0
 
+# a job, several engines or processes: `make test` runs it, `make test-fast` does not
+pytestmark = pytest.mark.slow
 
-def long_prompts(engine, questions, tokens: int) -> list[list[int]]:  # noqa: F811
+
+def long_prompts(engine, questions, tokens: int) -> list[list[int]]:
     """Three prompts of `tokens` token ids each, made of the questions' text."""
     tokenizer = engine.llm.get_tokenizer()
     text = " ".join(questions * 40)
     return [tokenizer.encode(text[i * 7 :])[:tokens] for i in range(3)]
 
 
-def test_long_contexts_keep_the_target_s_distribution(engine, plain_engine, questions):  # noqa: F811
+def test_long_contexts_keep_the_target_s_distribution(free_k0_engine, plain_engine, questions):
+    engine = free_k0_engine
     max_len = engine.llm.llm_engine.model_config.max_model_len
     prompts = long_prompts(engine, questions, max_len - 2 * lossless_sampling().max_tokens)
     lazy, (skipped, caught_up) = generate_under_the_step_cycle(
@@ -36,7 +36,7 @@ def test_long_contexts_keep_the_target_s_distribution(engine, plain_engine, ques
 
 
 @pytest.fixture
-def kept_one_step(engine):  # noqa: F811
+def kept_one_step(free_k0_engine):
     """The free-k0 patch keeps at most about one skipped step's draft inputs: older ones
     are dropped, and the draft has holes in its KV cache where they were."""
 
@@ -45,23 +45,23 @@ def kept_one_step(engine):  # noqa: F811
             kept = free_k0.kept_inputs(worker.model_runner.drafter)
             kept.max_bytes, kept.dropped_steps = max_bytes, 0
 
-        engine.llm.collective_rpc(set_bound)
+        free_k0_engine.llm.collective_rpc(set_bound)
 
     bound(1 << 14)
-    yield lambda: engine.llm.collective_rpc(
+    yield lambda: free_k0_engine.llm.collective_rpc(
         lambda worker: free_k0.kept_inputs(worker.model_runner.drafter).dropped_steps
     )[0]
     bound(free_k0.MAX_KEPT_BYTES)
 
 
 def test_steps_dropped_past_the_catch_up_bound_keep_the_target_s_distribution(
-    engine,  # noqa: F811
+    free_k0_engine,
     plain_engine,
     questions,
     kept_one_step,
 ):
     lazy, (skipped, caught_up) = generate_under_the_step_cycle(
-        engine, True, questions[:3], lossless_sampling()
+        free_k0_engine, True, questions[:3], lossless_sampling()
     )
     assert kept_one_step() > 0 and skipped > 0
     assert_same_distribution(lazy, plain_engine)
@@ -72,7 +72,7 @@ def cramped_engine(tiny_target, tiny_draft, tmp_path_factory):
     """The free-k0 engine with a KV cache of 10 blocks of 128 tokens (on CPU): requests
     whose prompts nearly fill a block are admitted one block each, then each needs a second
     as it generates, and the scheduler preempts some to recompute them later."""
-    cramped = _step_cycle_engine(
+    cramped = step_cycle_engine(
         tiny_target,
         tiny_draft,
         tmp_path_factory.mktemp("cramped"),

@@ -58,9 +58,7 @@ from tests.conftest import (
     lossless_sampling,
     target_fit,
 )
-from tests.test_free_k0 import _generate as generate_under_the_step_cycle
-from tests.test_free_k0 import engine  # noqa: F401  (the free-k0 engine fixture)
-from tests.test_group_drafts import group_engine, profile  # noqa: F401
+from tests.step_cycle import generate_under_the_step_cycle
 
 TV = DESIGN_TV
 # z of a one-sided test at LOSSLESS_ALPHA / 2 and at power 0.99: the top-token statistic's
@@ -133,22 +131,22 @@ def assert_rejects_only_the_bias(
     assert fair.lossless and not biased.lossless, (fair, biased)
 
 
-def test_free_k0_steps_with_a_planted_bias_are_rejected(engine, plain_engine, questions):  # noqa: F811
+def test_free_k0_steps_with_a_planted_bias_are_rejected(free_k0_engine, plain_engine, questions):
     skipped = []
 
     def generate():
         result, (skipped_passes, _) = generate_under_the_step_cycle(
-            engine, True, questions[:3], lossless_sampling()
+            free_k0_engine, True, questions[:3], lossless_sampling()
         )
         skipped.append(skipped_passes)
         return result
 
-    assert_rejects_only_the_bias(generate, engine, plain_engine, False)
+    assert_rejects_only_the_bias(generate, free_k0_engine, plain_engine, False)
     assert min(skipped) > 0
 
 
 def test_group_draft_verification_with_a_planted_bias_is_rejected(
-    group_engine,  # noqa: F811
+    group_engine,
     plain_engine,
     questions,
 ):
@@ -158,17 +156,21 @@ def test_group_draft_verification_with_a_planted_bias_is_rejected(
     assert_rejects_only_the_bias(generate, group_engine, plain_engine, True)
 
 
-def test_a_bias_towards_the_top_token_is_rejected(engine, plain_engine, questions):  # noqa: F811
+def test_a_bias_towards_the_top_token_is_rejected(free_k0_engine, plain_engine, questions):
     """TV 0.05 towards the top token wherever the target leaves room for it, on every
     step: the bins alone see it poorly; the top-token statistic is built for it, and the
     callers' sample gives it power >= 0.99 (its noncentrality, computed from the sampled
     contexts, reaches Z_ALPHA + Z_POWER)."""
     fair = target_fit(
-        engine.generate(questions[:3], lossless_sampling()), plain_engine, LOSSLESS_POSITIONS
+        free_k0_engine.generate(questions[:3], lossless_sampling()),
+        plain_engine,
+        LOSSLESS_POSITIONS,
     )
-    with planted_bias(engine, None, towards_the_top) as planted:
+    with planted_bias(free_k0_engine, None, towards_the_top) as planted:
         biased = target_fit(
-            engine.generate(questions[:3], lossless_sampling()), plain_engine, LOSSLESS_POSITIONS
+            free_k0_engine.generate(questions[:3], lossless_sampling()),
+            plain_engine,
+            LOSSLESS_POSITIONS,
         )
     moved = torch.cat(planted)
     assert len(moved) > 1000 and (moved > 0).all(), moved

@@ -62,11 +62,13 @@ def ray_head(commands):
         assert time.time() < deadline, "the Ray head's job API did not come up"
         time.sleep(2)
     yield {"HEAD:6379": f"127.0.0.1:{port}", "HEAD:8265": f"127.0.0.1:{dashboard}"}
+    # `ray start --block` takes ~30 s to go on SIGTERM; nothing of it is needed any more.
     os.killpg(head.pid, signal.SIGTERM)
     try:
-        head.wait(30)
+        head.wait(3)
     except subprocess.TimeoutExpired:
         os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
 
 
 def _run_readme_command(command, addresses, target, draft, profile, tmp_path) -> dict:

@@ -13,6 +13,9 @@ from grpo_specdec.job.config import TrainConfig
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
 from tests.conftest import job_overrides, job_records
 
+# a job, several engines or processes: `make test` runs it, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
 # Two ranks sum the gradients one rank accumulates over the same micro-batches; only the
 # order of float additions differs (measured: weights within 1.5e-8 after three steps,
 # a loss of exactly 0 on one rank was -5e-9 on two).

