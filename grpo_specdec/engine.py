@@ -18,13 +18,14 @@ from pathlib import Path
 import vllm_plugin
 from grpo_specdec.engine_config import EngineConfig, SamplingSettings
 from grpo_specdec.modelcheck import draft_method
-from grpo_specdec.swap_files import swap_file
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin import patches
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.patches import group_drafts_v0_32, runner_name
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.settings import engine_dtype
+from vllm_plugin.shm_transfer import BACKEND as TRANSFER_BACKEND
+from vllm_plugin.weight_swap import ROLES, agreed_versions, merged_mixed
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ class Engine:
             enforce_eager=cfg.enforce_eager,
             disable_log_stats=False,
             worker_extension_cls=self.WORKER_EXTENSION,
+            weight_transfer_config={"backend": TRANSFER_BACKEND},
         )
         if cfg.speculative is not None:
             kwargs["per_request_spec_decode_metrics"] = "detailed"
@@ -255,7 +257,7 @@ class Engine:
 
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
-        mixed = self.llm.collective_rpc("grpo_mixed_weights")[0]
+        mixed = merged_mixed(self.llm.collective_rpc("grpo_mixed_weights"))
         if mixed:
             raise MixedWeightsError(
                 "refusing to generate: "
@@ -347,26 +349,39 @@ class Engine:
     def swap_weights(
         self, role: str, weights: dict, version: int, metadata: dict | None = None
     ) -> dict:
-        """Load new `role` ("draft" or "policy") weights into the running engine.
+        """Load new `role` ("draft" or "policy") weights into the running engine, through
+        vLLM's weight-update API and the `grpo_shm` transfer backend
+        (vllm_plugin/shm_transfer.py).
 
-        The weights go through a safetensors file in the private swap folder; the engine
+        The weights go through a safetensors file in the private swap folder; each rank
         keeps the last good one open, to reload it if a later swap fails halfway. A
-        rejected swap raises and leaves the engine on its old weights. `metadata` declares
-        config facts the weights were built for (e.g. vocab_size); the engine rejects them
-        if its model differs.
+        rejected swap raises and leaves every rank on its old weights (a rank that had
+        loaded the new ones goes back). `metadata` declares config facts the weights were
+        built for (e.g. vocab_size); the engine rejects them if its model differs.
         """
+        from grpo_specdec.weight_transfer import (
+            LLMClient,
+            ShmTrainerEngine,
+            ShmTrainerInitInfo,
+            StateDictSource,
+        )
+
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         start = time.perf_counter()
-        with swap_file(role, weights, version, metadata) as path:
-            written = time.perf_counter()
-            report = self.llm.collective_rpc("grpo_swap_weights", args=(role, str(path), version))
-        # Cached prefixes hold KV computed with the old weights, and so may requests still in
-        # the engine (e.g. of an interrupted generate): those are preempted and recomputed.
-        if not self.llm.reset_prefix_cache(reset_running_requests=True):
-            raise RuntimeError(
-                f"{role} version {version} is loaded, but the engine could not reset its prefix "
-                "cache, which holds KV of the old weights"
-            )
-        return {**report[0], "write_s": written - start, "total_s": time.perf_counter() - start}
+        sender = ShmTrainerEngine.trainer_init(
+            ShmTrainerInitInfo(rank=0, draft=role == "draft", metadata=metadata),
+            client=LLMClient(self.llm),
+            source=StateDictSource(weights),
+        )
+        write_s = sender.send_weights(version)
+        report = self.llm.collective_rpc("grpo_last_swap_report")
+        return {
+            "version": version,
+            **report[0],
+            "write_s": write_s,
+            "total_s": time.perf_counter() - start,
+        }
 
     def scheduler(self):
         """The engine-core scheduler object (in-process engines only)."""
@@ -392,7 +407,8 @@ class Engine:
         )
 
     def weight_versions(self) -> dict[str, int]:
-        return self.llm.collective_rpc("grpo_weight_versions")[0]
+        """The versions of the weights every rank serves (they must agree)."""
+        return agreed_versions(self.llm.collective_rpc("grpo_weight_versions"))
 
     def declare_weight_versions(self, versions: dict[str, int]) -> None:
         """Number the weights the engine started from (e.g. a checkpoint's policy and draft

@@ -216,6 +216,40 @@ def test_a_swap_leaves_no_kv_of_the_old_weights_to_requests_left_in_the_engine(
     engine.swap_weights("policy", original, version=23)
 
 
+def test_vllms_trainer_factory_moves_a_head_in_through_vllms_weight_update_api(
+    swap_engine, plain_engine, trained_head, random_draft, questions
+):
+    """What a verl, NeMo-RL or TRL trainer that speaks vLLM's RL API does: the `grpo_shm`
+    trainer engine from vLLM's factory, an in-process client, one draft update."""
+    from safetensors.torch import load_file
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from grpo_specdec.weight_transfer import LLMClient, ShmTrainerInitInfo, StateDictSource
+
+    def push(weights, version):
+        sender = WeightTransferTrainerFactory.trainer_init(
+            ShmTrainerInitInfo(rank=0, draft=True),
+            client=LLMClient(swap_engine.llm),
+            source=StateDictSource(weights),
+        )
+        sender.send_weights(version)
+
+    push(load_file(Path(random_draft) / "model.safetensors"), 40)
+    before = swap_engine.generate(questions, GREEDY)
+    push(trained_head.export_state_dict(torch.float32), 41)
+    after = swap_engine.generate(questions, GREEDY)
+    assert swap_engine.weight_versions()["draft"] == 41
+    tokens = lambda r: [g[0].token_ids for g in r.outputs]  # noqa: E731
+    assert tokens(before) == tokens(after) == tokens(plain_engine.generate(questions, GREEDY))
+    assert after.spec["mean_acceptance_length"] > before.spec["mean_acceptance_length"] + 0.5
+    # Rejected updates through the same API: old weights keep serving, the session ends.
+    for kind, message in (("shape", "fc.weight: shape"), ("missing", "missing tensors")):
+        with pytest.raises(Exception, match=message):
+            push(_bad_weights(trained_head, kind), 42)
+        assert swap_engine.weight_versions()["draft"] == 41
+        assert swap_engine.generate(questions, GREEDY).spec == after.spec
+
+
 def test_only_files_in_the_swap_folder_are_loaded(swap_engine, tiny_target):
     from vllm_plugin.swap_folder import swap_folder
 
@@ -225,11 +259,13 @@ def test_only_files_in_the_swap_folder_are_loaded(swap_engine, tiny_target):
     link.symlink_to(served_file)
     try:
         for path in (served_file, link, swap_folder() / ".." / served_file.name):
+            # Through vLLM's weight-update API itself, as any trainer may call it.
+            swap_engine.llm.start_weight_update()
             with pytest.raises(
                 Exception, match=rf"refused weight file {re.escape(str(path))}: .*swap folder"
             ):
-                swap_engine.llm.collective_rpc(
-                    "grpo_swap_weights", args=("policy", str(path), version + 1)
+                swap_engine.llm.update_weights(
+                    {"update_info": {"path": str(path), "version": version + 1}}
                 )
     finally:
         link.unlink()

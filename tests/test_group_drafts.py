@@ -237,6 +237,27 @@ def test_group_drafts_alone_keep_greedy_outputs_and_get_accepted(
     assert again.spec["accepted_tokens"] >= used[GROUP]["accepted_tokens"] > 0
 
 
+def test_a_policy_update_through_vllms_api_ages_the_group_history(group_engine, tiny_target):
+    """The group drafter follows the policy version the `grpo_shm` backend stamps on the
+    model, whoever drives the update (here vLLM's API through Engine.swap_weights)."""
+    from safetensors.torch import load_file
+
+    version = group_engine.weight_versions()["policy"] + 1
+    weights = load_file(f"{tiny_target}/model.safetensors")
+    group_engine.swap_weights("policy", weights, version=version)
+    group_engine.generate(["1+1="], SamplingSettings(max_tokens=2))  # one step reads it
+    assert group_engine.group_draft_stats()["policy_version"] == version
+
+
+def test_follow_policy_ages_the_history_once_per_new_version():
+    drafter = GroupDrafter(FLAT, k_max=4, max_match=2, history_versions=1)
+    drafter.follow_policy(0)
+    assert drafter.version == 0
+    drafter.follow_policy(3)
+    drafter.follow_policy(3)
+    assert drafter.version == 1 and drafter.policy_version == 3
+
+
 def test_hybrid_keeps_greedy_outputs_and_uses_both_sources(hybrid_engine, plain_engine, questions):
     sampling = SamplingSettings(max_tokens=40, ignore_eos=True)
     prompts = questions[8:16]

@@ -226,6 +226,10 @@ PUBLIC_VLLM = {
     "vllm.platforms",
     "vllm.v1.core.sched.scheduler",
     "vllm.v1.core.sched.async_scheduler",
+    # the RL weight-transfer API: engines subclass its base and register with its factory
+    "vllm.distributed.weight_transfer.base",
+    "vllm.distributed.weight_transfer.factory",
+    "vllm.distributed.weight_transfer.clients",
 }
 # Private names of other libraries, not of vLLM.
 NOT_VLLM = {("grpo_specdec/draft/head.py", "_attn_implementation")}  # transformers' config

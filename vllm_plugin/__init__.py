@@ -1,8 +1,9 @@
 """vLLM plugin of grpo-specdec.
 
 `register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process
-it starts. Features (the concurrency-aware scheduler, the weight-swap extension) are
-opt-in by configuration. What it does unasked is patch vLLM 0.32 (see `patches/`, one
+it starts. It registers the `grpo_shm` weight-transfer backend (`shm_transfer`). Features
+(the concurrency-aware scheduler, the weight-swap extension, that backend) are opt-in by
+configuration. What it does unasked is patch vLLM 0.32 (see `patches/`, one
 module each): on CPU, sampled speculative decoding that was not lossless and cost too
 much, sampled drafting that cost more than it gained, engine starts that recompiled
 every time, aborted at random, or failed after numba was imported; on vLLM's V1 model
@@ -32,6 +33,10 @@ SKIPPED: list[str] = []
 def register() -> None:
     global LOADED, RUNNER
     LOADED = True
+    # An extension point, not a patch: the `grpo_shm` weight-transfer backend.
+    from vllm_plugin import shm_transfer
+
+    shm_transfer.register()
     if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":
         return
     from vllm_plugin import serve_metrics

@@ -35,6 +35,17 @@ def layerwise_reload(model, model_config, vllm_config):
             finalize_layerwise_reload(model, model_config)
 
 
+def end_weight_update(worker) -> None:
+    """End vLLM 0.32.0 worker `worker`'s weight-update session whatever its state: vLLM's
+    `finish_weight_update` refuses one that failed on this rank and would commit one that
+    must be undone; this clears `Worker._weight_update_active` and resets the transfer
+    engine's target, as the worker itself does when an update fails on it."""
+    worker._weight_update_active = False
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if engine is not None:
+        engine.reset_weight_update_target()
+
+
 def is_registered(collector) -> bool:
     """Whether `collector` is in prometheus_client's default registry. prometheus_client
     has no public query for it; this reads `REGISTRY._collector_to_names`, as vLLM 0.32.0's

@@ -104,6 +104,7 @@ class GroupDrafterStats:
     history_bytes: int = 0
     history_groups: int = 0
     evicted_groups: int = 0
+    policy_version: int = 0  # of the policy weights the history was last aged for
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,6 +136,7 @@ class GroupDrafter:
         self.history_positions = history_positions
         self.model_acceptance = model_acceptance or AcceptanceEstimator(k_max)
         self.version = 0  # policy swaps seen; sequences are tagged with it
+        self.policy_version = 0  # the version of the policy weights last seen
         self.reset()
 
     def reset(self) -> None:
@@ -182,6 +184,12 @@ class GroupDrafter:
         """Stop following requests that finished (their text stays in the history)."""
         for req_id in [r for r in self.tracked if r not in alive]:
             del self.tracked[req_id]
+
+    def follow_policy(self, version: int) -> None:
+        """Called each step with the version of the policy weights the engine serves."""
+        if version != self.policy_version:
+            self.policy_version = version
+            self.new_policy()
 
     def new_policy(self) -> None:
         """The engine now serves new policy weights: rollouts older than the last
@@ -280,4 +288,5 @@ class GroupDrafter:
         s.history_bytes = self.history.approx_bytes
         s.history_groups = len(self.history.groups)
         s.evicted_groups = self.history.evicted_groups
+        s.policy_version = self.policy_version
         return s.to_dict()

@@ -4,13 +4,17 @@ A `vllm.endpoint_plugins` entry point, `grpo_specdec_weights`, which vLLM loads 
 VLLM_PLUGINS names it. It refuses to start without an API key (`--api-key` or
 VLLM_API_KEY): vLLM checks the key on /v1 routes, so every call needs the token, and no
 server exposes weight loading to whoever can reach its port. vLLM's own weight-update
-routes (VLLM_SERVER_DEV_MODE) are outside that check and NCCL-only.
+routes (`/start_weight_update` ..., mounted only under VLLM_SERVER_DEV_MODE beside its
+other dev routes) are outside that check: this route is the same update behind the key.
 
 The body names a safetensors file that a trainer on the server's machine, run by the
 server's user, wrote to the private swap folder (`grpo_specdec.served.ServedWeights`):
-{"role": "policy" | "draft", "path", "version"}. Validation and loading are the
-weight-swap worker extension's (`grpo_swap_weights`), which loads nothing from outside
-that folder: a rejected swap (400) leaves the engine serving its old weights.
+{"role": "policy" | "draft", "path", "version"}. The route drives vLLM's weight-update
+lifecycle on the engine (`start_weight_update` or `start_draft_weight_update`,
+`update_weights`, `finish_weight_update`) with the `grpo_shm` transfer backend (start the
+server with `--weight-transfer-config '{"backend": "grpo_shm"}'`), which validates and
+loads nothing from outside that folder: a rejected swap (400) leaves every rank serving
+its old weights (`grpo_abort_weight_update` takes back a rank that had loaded them).
 
 Generation is paused (vLLM's `pause_generation`, requests in flight kept) while the
 weights change; then the prefix cache is reset with the running requests preempted, so
@@ -30,6 +34,9 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+
+from vllm_plugin.manifest import MixedWeightsError
+from vllm_plugin.weight_swap import agreed_versions, merged_mixed
 
 ROUTE = "/v1/grpo/weights"
 router = APIRouter()
@@ -53,11 +60,26 @@ def _refusal(state) -> str | None:
 
 
 async def _mixed_roles(engine) -> dict[str, str]:
-    return {
-        role: why
-        for worker in await engine.collective_rpc("grpo_mixed_weights")
-        for role, why in worker.items()
-    }
+    return merged_mixed(await engine.collective_rpc("grpo_mixed_weights"))
+
+
+async def _update(engine, body: SwapRequest) -> dict:
+    """One update through vLLM's lifecycle; a failure on any rank undoes it on all."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    if body.role == "draft":
+        await engine.start_draft_weight_update()
+    else:
+        await engine.start_weight_update()
+    info = {"path": body.path, "version": body.version}
+    try:
+        await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+    except BaseException:
+        await engine.collective_rpc("grpo_abort_weight_update")
+        raise
+    await engine.finish_weight_update()
+    report = (await engine.collective_rpc("grpo_last_swap_report"))[0]
+    return {"version": body.version, **report}
 
 
 @router.post(ROUTE)
@@ -82,9 +104,7 @@ async def swap_weights(body: SwapRequest, request: Request):
 
 async def _swap_while_paused(engine, state, body: SwapRequest):
     try:
-        report = await engine.collective_rpc(
-            "grpo_swap_weights", args=(body.role, body.path, body.version)
-        )
+        report = await _update(engine, body)
     except Exception as err:  # the worker's reason (bad names, shapes, values, a failed load)
         # The engine core hands back the worker's message, not its type: a load that failed
         # and whose restore failed too says its weights "may be a mix" (MixedWeightsError).
@@ -107,12 +127,16 @@ async def _swap_while_paused(engine, state, body: SwapRequest):
         )
         return JSONResponse({"error": state.grpo_stale_cache, "mixed": False}, status_code=500)
     state.grpo_stale_cache = None
-    return report[0]
+    return report
 
 
 @router.get(ROUTE)
 async def weight_versions(request: Request):
-    return (await request.app.state.grpo_engine.collective_rpc("grpo_weight_versions"))[0]
+    per_rank = await request.app.state.grpo_engine.collective_rpc("grpo_weight_versions")
+    try:
+        return agreed_versions(per_rank)
+    except MixedWeightsError as err:
+        return JSONResponse({"error": str(err), "per_rank": per_rank}, status_code=409)
 
 
 class RefuseWhileMixed:

@@ -90,6 +90,10 @@ def _wrap_take(original):
             return drafts
         from vllm.v1.outputs import DraftTokenIds
 
+        from vllm_plugin.shm_transfer import policy_version
+
+        drafter.follow_policy(policy_version(self.get_model()))
+
         model = dict(zip(drafts.req_ids, drafts.draft_token_ids)) if drafts else {}
         has_model_draft = self.speculative_config.use_eagle()  # not ngram, the model-free host
         rows = []

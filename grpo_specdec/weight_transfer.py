@@ -1,0 +1,152 @@
+"""The trainer's side of the `grpo_shm` weight transfer (vllm_plugin/shm_transfer.py), in
+vLLM 0.32's trainer API: a `TrainerWeightTransferEngine` registered as `grpo_shm` with
+`WeightTransferTrainerFactory`, driven through any `VLLMWeightSyncClient`.
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        ShmTrainerInitInfo(rank=0, draft=True), client=LLMClient(llm), source=weights)
+    engine.send_weights(version=7)
+
+`send_weights` writes the source's tensors to the private swap folder and drives one
+update: `start_draft_weight_update` (or `start_weight_update`), `update_weights({"path",
+"version"})`, `finish_weight_update`; then the prefix cache is reset with the running
+requests recomputed, so that none computes with KV of the old weights (vLLM's update does
+not do it). If `update_weights` fails on any rank, it asks every rank to take back what it
+loaded (`abort_weight_update`) before raising. Clients: `LLMClient` (an `LLM` in this process) and `HTTPClient` (a `vllm serve`
+with vLLM's RL routes, `VLLM_SERVER_DEV_MODE=1`); vLLM's own clients cannot start a draft
+update, which these add.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+)
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+from grpo_specdec.swap_files import swap_file
+from vllm_plugin.shm_transfer import BACKEND
+
+
+@dataclass
+class ShmTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = BACKEND
+    draft: bool = False  # the update targets the engine's draft model
+    metadata: dict[str, str] | None = None  # config facts the weights were built for
+
+
+class StateDictSource(WeightSource):
+    """A `WeightSource` over a name -> tensor dict under the checkpoint's names."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        self.weights = weights
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.weights.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.weights.items())
+
+
+class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
+    init_info_cls = ShmTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: ShmTrainerInitInfo, *, client, source=None):
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.draft, engine.metadata = init_info.draft, init_info.metadata
+        if engine.is_sender:
+            client.init_weight_transfer_engine({})
+        return engine
+
+    def send_weights(self, version: int) -> float:
+        """One update to weights version `version`; the seconds spent writing the file.
+        Every rank iterates the source (its gathers are collectives); rank 0 sends."""
+        import time
+
+        weights = dict(self.source)
+        if not self.is_sender:
+            return 0.0
+        start = time.perf_counter()
+        role = "draft" if self.draft else "policy"
+        with swap_file(role, weights, version, self.metadata) as path:
+            written = time.perf_counter() - start
+            if self.draft:
+                self.client.start_draft_weight_update()
+            else:
+                self.client.start_weight_update()
+            try:
+                self.client.update_weights({"path": str(path), "version": version})
+            except BaseException:
+                self.client.abort_weight_update()
+                raise
+            # vLLM's engine-level weight version is the policy's; the draft's is per role.
+            self.client.finish_weight_update(None if self.draft else str(version))
+        self.client.reset_prefix_cache()
+        return written
+
+
+class LLMClient:
+    """A `VLLMWeightSyncClient` (and more) for an `LLM` in this process."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def start_draft_weight_update(self) -> None:
+        self.llm.start_draft_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def abort_weight_update(self) -> None:
+        self.llm.collective_rpc("grpo_abort_weight_update")
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError(
+                "the weights are loaded, but the engine could not reset its prefix cache, "
+                "which holds KV of the old weights"
+            )
+
+
+class HTTPClient(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP client with the draft's start, the plugin's abort and the cache reset
+    (through vLLM's dev routes `/collective_rpc` and `/reset_prefix_cache`, mounted with
+    its RL routes)."""
+
+    def start_draft_weight_update(self) -> None:
+        self._post("start_draft_weight_update")
+
+    def abort_weight_update(self) -> None:
+        self._post("collective_rpc", {"method": "grpo_abort_weight_update"})
+
+    def reset_prefix_cache(self) -> None:
+        self._post("reset_prefix_cache?reset_running_requests=true")
+
+
+def register() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    try:
+        WeightTransferTrainerFactory.register_engine(BACKEND, ShmTrainerEngine)
+    except ValueError:  # registered already in this process
+        pass
+
+
+register()

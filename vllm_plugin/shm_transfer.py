@@ -1,0 +1,121 @@
+"""`grpo_shm`: a vLLM weight-transfer engine for trainers on the engine's own machine.
+
+vLLM 0.32's RL weight updates (`LLM.start_weight_update` / `start_draft_weight_update`,
+`update_weights`, `finish_weight_update`, the same on `AsyncLLM` and as `vllm serve`'s RL
+routes) carry weights with an engine registered in `WeightTransferEngineFactory`. vLLM's
+own (nccl, ipc, ...) need CUDA; this one takes a safetensors file that the trainer wrote
+to the private swap folder (`swap_folder`), which works on CPU, in-process or across
+processes, and on every tensor-parallel rank at once. Start the engine with
+`weight_transfer_config={"backend": "grpo_shm"}` (`--weight-transfer-config
+'{"backend": "grpo_shm"}'`); one update is
+
+    start_weight_update()        # or start_draft_weight_update() for the draft head
+    update_weights({"path": "/dev/shm/grpo-specdec-UID/....safetensors", "version": 7})
+    finish_weight_update()
+
+What a bare transfer would not do, this engine does (`weight_swap.WeightSwaps`): the file's
+names, shapes and config facts are checked against the model's checkpoint before anything
+loads; a load that fails partway reloads the last good weights; each role (policy, draft)
+keeps its own version. `update_weights` loads but does not commit: until
+`finish_weight_update`, the rank can go back to the weights it had
+(`WeightSwapExtension.grpo_abort_weight_update`), so that a failure on any rank can undo
+the update on all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from vllm_plugin.weight_swap import WeightSwaps
+
+BACKEND = "grpo_shm"
+
+
+@dataclass
+class ShmInitInfo(WeightTransferInitInfo):
+    """Nothing to set up: the trainer and the engine share a machine and a user."""
+
+
+@dataclass
+class ShmUpdateInfo(WeightTransferUpdateInfo):
+    path: str  # a safetensors file in the swap folder
+    version: int
+
+
+class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
+    init_info_cls = ShmInitInfo
+    update_info_cls = ShmUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.swaps = WeightSwaps(vllm_config)
+        self._role: str | None = None
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        # vLLM points `model` at the draft for start_draft_weight_update.
+        self._role = "policy" if self.model is self._default_model else "draft"
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class would synchronise an accelerator after receiving; a load from a
+        # file is complete when it returns.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+        if not isinstance(update_info.version, int) or update_info.version < 0:
+            raise ValueError(
+                f"update_info.version must be an int >= 0, got {update_info.version!r}"
+            )
+        self.swaps.load(
+            self._role, self.model, self.model_config, update_info.path, update_info.version
+        )
+
+    def finish_weight_update(self) -> None:
+        # vLLM's worker stays in its update session for good if this raises: nothing here can.
+        committed = self.swaps.commit(self._role)
+        if committed is not None and self._role == "policy":
+            stamp_policy_version(self._default_model, committed)
+        self._role = None
+
+    def abort(self) -> None:
+        """Back to the weights this rank had before the update began (see weight_swap)."""
+        if self._role is not None:
+            self.swaps.roll_back(self._role, self.model, self.model_config)
+        self._role = None
+
+    def shutdown(self) -> None:
+        pass
+
+
+# The policy weights' version, stamped on the policy model for what follows it per step
+# (the group drafter ages out rollouts of older policies).
+POLICY_VERSION_ATTR = "_grpo_policy_version"
+
+
+def stamp_policy_version(model, version: int) -> None:
+    setattr(model, POLICY_VERSION_ATTR, version)
+
+
+def policy_version(model) -> int:
+    return getattr(model, POLICY_VERSION_ATTR, 0)
+
+
+def register() -> None:
+    """Make `grpo_shm` a backend vLLM can build (in every process that builds engines:
+    vllm_plugin.register runs there as a general plugin)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "vllm_plugin.shm_transfer", "ShmWeightTransferEngine"
+        )
+    except ValueError:  # registered already (plugins load once per engine)
+        pass
