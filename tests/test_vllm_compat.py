@@ -155,6 +155,17 @@ def test_layerwise_reload_calls_are_the_ones_the_adapter_makes():
     assert _parameters(reload.finalize_layerwise_processing) == ["model", "model_config"]
 
 
+def test_ending_an_update_session_clears_what_vllms_worker_checks():
+    """compat.end_weight_update clears the flag vLLM's worker refuses a new update on, and
+    resets the transfer engine's target, as the worker does when an update fails on it."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    failed = inspect.getsource(Worker.update_weights)
+    assert "self._weight_update_active = False" in failed
+    assert "reset_weight_update_target()" in failed
+    assert "if self._weight_update_active:" in inspect.getsource(Worker._start_weight_update)
+
+
 def test_is_registered_follows_the_default_registry():
     import prometheus_client
 

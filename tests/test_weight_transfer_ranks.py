@@ -18,7 +18,11 @@ GREEDY = SamplingSettings(temperature=0.0, max_tokens=24)
 
 @pytest.fixture(scope="module")
 def tp_engine(tiny_target, tiny_draft):
-    engine = Engine(tiny_engine_config(tiny_target, tiny_draft), tensor_parallel_size=2)
+    # vLLM binds each CPU rank's threads to a NUMA node of its own unless told which cores
+    # to use; this machine has one node: one core per rank.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        engine = Engine(tiny_engine_config(tiny_target, tiny_draft), tensor_parallel_size=2)
     yield engine
     engine.shutdown()
 

@@ -9,7 +9,9 @@ much, sampled drafting that cost more than it gained, engine starts that recompi
 every time, aborted at random, or failed after numba was imported; on vLLM's V1 model
 runner, a draft pass that ran on steps drafting nothing (it now runs lazily, catching up
 when drafting resumes); and, when configured, drafts from a GRPO group's text join the
-engine's own (its one per-step hook, `take_draft_token_ids`). Where vLLM would run its
+engine's own (its one per-step hook, `take_draft_token_ids`); with several worker
+processes, replies that a failed collective RPC left unread are read before it raises, so
+later calls get their own. Where vLLM would run its
 Model Runner V2 instead (CUDA), which none of those patches reach, it selects V1 unless
 the user set VLLM_USE_V2_MODEL_RUNNER (`patches.choose_model_runner`). Set
 GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched. In a `vllm serve` API process it also
@@ -55,6 +57,7 @@ def register() -> None:
         cpu_sampled_drafts_v0_32,
         free_k0_v0_32,
         group_drafts_v0_32,
+        rpc_replies_v0_32,
     )
 
     if RUNNER is None:
@@ -69,6 +72,7 @@ def register() -> None:
         cpu_kernel_scan_v0_32,
         free_k0_v0_32,
         group_drafts_v0_32,
+        rpc_replies_v0_32,
     ):
         name = patch_name(patch)
         if name in PATCHED or name in SKIPPED:
