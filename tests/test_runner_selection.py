@@ -29,6 +29,7 @@ CPU_V1_PATCHES = {
     "cpu_sampled_drafts_v0_32",
 }
 CPU_PATCHES = {"cpu_onednn_release_v0_32", "cpu_compile_cache_v0_32", "cpu_kernel_scan_v0_32"}
+ANY_PATCHES = {"rpc_replies_v0_32"}  # whatever the platform and runner
 
 
 def unset_until_teardown(monkeypatch, name: str) -> None:
@@ -81,12 +82,12 @@ def test_on_cuda_the_plugin_selects_v1_and_applies_its_runner_patches(on_cuda, c
     lines = register(caplog)
     assert vllm_runs_v2() is False
     assert vllm_plugin.RUNNER == "V1"
-    assert set(vllm_plugin.PATCHED) == V1_PATCHES
+    assert set(vllm_plugin.PATCHED) == V1_PATCHES | ANY_PATCHES
     assert set(vllm_plugin.SKIPPED) == CPU_V1_PATCHES | CPU_PATCHES
     chose = [line for line in lines if "Model Runner V1" in line and f"{RUNNER_ENV}=0" in line]
     assert len(chose) == 1, lines
     vllm_plugin.register()  # vLLM loads plugins once a process, but a second call is harmless
-    assert set(vllm_plugin.PATCHED) == V1_PATCHES
+    assert set(vllm_plugin.PATCHED) == V1_PATCHES | ANY_PATCHES
 
 
 @pytest.mark.parametrize("platform", ["cuda", "cpu"])
@@ -99,7 +100,7 @@ def test_a_user_who_forces_v2_gets_no_v1_patch_and_a_warning_naming_what_is_lost
     lines = register(caplog)
     assert vllm_runs_v2()
     assert not (V1_PATCHES | CPU_V1_PATCHES) & set(vllm_plugin.PATCHED)
-    assert set(vllm_plugin.PATCHED) == (CPU_PATCHES if platform == "cpu" else set())
+    assert set(vllm_plugin.PATCHED) == (CPU_PATCHES if platform == "cpu" else set()) | ANY_PATCHES
     assert vllm_plugin.RUNNER == "V2"
     warning = [line for line in lines if f"Model Runner V2 ({RUNNER_ENV}=1)" in line]
     assert len(warning) == 1, lines
@@ -113,7 +114,7 @@ def test_a_user_who_forces_v2_gets_no_v1_patch_and_a_warning_naming_what_is_lost
 def test_a_user_who_chooses_v1_keeps_it(on_cuda, monkeypatch, caplog):
     monkeypatch.setenv(RUNNER_ENV, "0")
     lines = register(caplog)
-    assert set(vllm_plugin.PATCHED) == V1_PATCHES
+    assert set(vllm_plugin.PATCHED) == V1_PATCHES | ANY_PATCHES
     assert not any("Model Runner V1 (" in line for line in lines)  # nothing chosen for them
 
 
@@ -121,7 +122,7 @@ def test_on_cpu_v1_runs_without_the_plugin_choosing(fresh_plugin):
     vllm_plugin.register()
     assert RUNNER_ENV not in os.environ
     assert vllm_runs_v2() is False
-    assert set(vllm_plugin.PATCHED) == V1_PATCHES | CPU_V1_PATCHES | CPU_PATCHES
+    assert set(vllm_plugin.PATCHED) == V1_PATCHES | CPU_V1_PATCHES | CPU_PATCHES | ANY_PATCHES
 
 
 def test_no_patches_leaves_vllm_to_choose(on_cuda, monkeypatch):
