@@ -18,6 +18,7 @@ update, which these add.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -69,8 +70,6 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
     def send_weights(self, version: int) -> float:
         """One update to weights version `version`; the seconds spent writing the file.
         Every rank iterates the source (its gathers are collectives); rank 0 sends."""
-        import time
-
         weights = dict(self.source)
         if not self.is_sender:
             return 0.0

@@ -95,6 +95,20 @@ class _Tracked:
     pending: PendingDraft | None = None
 
 
+# The policy weights' version, stamped on the policy model by whatever loads it (the
+# `grpo_shm` transfer backend) and read by the drafter each step: rollouts of older
+# policies age out, whoever drives the update.
+POLICY_VERSION_ATTR = "_grpo_policy_version"
+
+
+def stamp_policy_version(model, version: int) -> None:
+    setattr(model, POLICY_VERSION_ATTR, version)
+
+
+def policy_version(model) -> int:
+    return getattr(model, POLICY_VERSION_ATTR, 0)
+
+
 @dataclass
 class GroupDrafterStats:
     sources: dict[str, SourceStats] = field(

@@ -32,6 +32,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from vllm_plugin.group_drafter import stamp_policy_version
 from vllm_plugin.weight_swap import WeightSwaps
 
 BACKEND = "grpo_shm"
@@ -93,19 +94,6 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def shutdown(self) -> None:
         pass
-
-
-# The policy weights' version, stamped on the policy model for what follows it per step
-# (the group drafter ages out rollouts of older policies).
-POLICY_VERSION_ATTR = "_grpo_policy_version"
-
-
-def stamp_policy_version(model, version: int) -> None:
-    setattr(model, POLICY_VERSION_ATTR, version)
-
-
-def policy_version(model) -> int:
-    return getattr(model, POLICY_VERSION_ATTR, 0)
 
 
 def register() -> None:

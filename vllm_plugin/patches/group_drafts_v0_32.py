@@ -90,7 +90,7 @@ def _wrap_take(original):
             return drafts
         from vllm.v1.outputs import DraftTokenIds
 
-        from vllm_plugin.shm_transfer import policy_version
+        from vllm_plugin.group_drafter import policy_version
 
         drafter.follow_policy(policy_version(self.get_model()))
 
