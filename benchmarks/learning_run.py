@@ -26,6 +26,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
@@ -47,6 +48,7 @@ ABLATION = ASSETS / "learning_ablation.json"
 # The side-by-side rollout: the tail shape at the size the demo's comparison uses.
 PROMPTS, GROUP, CAP, MEDIAN = 4, 8, 512, 128
 FIXED_K = (2,)
+NATURAL_REPEATS = 5
 
 
 def train(args, data: dict) -> None:
@@ -83,9 +85,9 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
     from grpo_specdec.job.config import TrainConfig
     from grpo_specdec.job.engine_setup import engine_config, latency_profile
     from grpo_specdec.job.models import resolve_model
-    from grpo_specdec.measure import run_protocol, speedup
+    from grpo_specdec.measure import run_protocol
     from grpo_specdec.tasks.arithmetic import make_problems
-    from grpo_specdec.tasks.tail_shape import tail_phase_s, with_budgets
+    from grpo_specdec.tasks.tail_shape import with_budgets
     from vllm_plugin.controller import FixedPolicy, GoodputPolicy, profile_latency
 
     cfg = load_yaml(TrainConfig, CONFIG, [])
@@ -125,38 +127,64 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
                 for k in FIXED_K
             },
         }
-        timed = run_protocol(
+        # Equal tokens: each request made as long as the reference made it, EOS ignored.
+        equal = run_protocol(
             {
                 name: (lambda c=c: run_config(c, shape.prompts, exact, None, exact_per_request))
                 for name, c in configs.items()
             },
             repeats=args.repeats,
             seed=args.order_seed,
-            progress=lambda msg: print(f"{point}: {msg}", flush=True),
+            progress=lambda msg: print(f"{point}, equal tokens: {msg}", flush=True),
+        )
+        # Natural EOS: each configuration's own answers, under the same budgets and no
+        # per-request seeds (a speculative engine on CPU cannot follow them), so every
+        # round of every configuration samples afresh; more rounds, as lengths vary.
+        budgets = {"max_tokens": shape.max_tokens}
+        natural = run_protocol(
+            {
+                name: (lambda c=c: run_config(c, shape.prompts, sampling, None, budgets))
+                for name, c in configs.items()
+            },
+            repeats=max(args.repeats, NATURAL_REPEATS),
+            seed=args.order_seed + 1,
+            progress=lambda msg: print(f"{point}, natural EOS: {msg}", flush=True),
         )
     finally:
         for e in (plain, online, initial):
             e.shutdown()
-    makespans = {n: [max(r["finished_s"]) for r in runs] for n, runs in timed.runs.items()}
-    base = makespans["no speculation"]
     return {
         "policy": policy,
         "online_head": online_head,
         "endings": endings,
-        "orders": timed.orders,
-        "configs": {
-            name: {
-                "makespan_s": statistics.median(makespans[name]),
-                "makespan_s_runs": makespans[name],
-                "tail_s": statistics.median(tail_phase_s(r["finished_s"]) for r in runs),
-                "tokens": runs[-1]["tokens"],
-                "tokens_after_eos": statistics.median(r["tokens_after_eos"] for r in runs),
-                "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
-                "speedup": speedup(base, makespans[name]).to_dict(),
-                "others_cpu_share": timed.busy[name],
-            }
-            for name, runs in timed.runs.items()
-        },
+        "orders": equal.orders,
+        "configs": summary(equal),
+        "natural": {"orders": natural.orders, "configs": summary(natural)},
+    }
+
+
+def summary(timed) -> dict:
+    """Per configuration: makespans, tokens, acceptance and speedup over no speculation,
+    paired by round."""
+    from grpo_specdec.measure import speedup
+    from grpo_specdec.tasks.tail_shape import tail_phase_s
+
+    makespans = {n: [max(r["finished_s"]) for r in runs] for n, runs in timed.runs.items()}
+    base = makespans["no speculation"]
+    return {
+        name: {
+            "makespan_s": statistics.median(makespans[name]),
+            "makespan_s_runs": makespans[name],
+            "tail_s": statistics.median(tail_phase_s(r["finished_s"]) for r in runs),
+            "tokens": runs[-1]["tokens"],
+            "tokens_runs": [r["tokens"] for r in runs],
+            "tokens_after_eos": statistics.median(r["tokens_after_eos"] for r in runs),
+            "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
+            "k_steps": [dict(Counter(k for _, _, k in r.get("trace", ()))) for r in runs],
+            "speedup": speedup(base, makespans[name]).to_dict(),
+            "others_cpu_share": timed.busy[name],
+        }
+        for name, runs in timed.runs.items()
     }
 
 
@@ -284,6 +312,31 @@ def report(data: dict) -> str:
                 )
                 + " |"
             )
+    natural = {n: p for n, p in data.get("points", {}).items() if "natural" in p}
+    if natural:
+        lines += [
+            "",
+            "Natural EOS: the same prompts and budgets, each configuration's own answers "
+            f"(no EOS ignored, no per-request seeds), {NATURAL_REPEATS}+ rounds after a "
+            "warm-up, order shuffled per round. Lengths differ by chance between rounds and "
+            "configurations, so the makespan's spread is shown.",
+            "",
+            "| point | iteration | config | makespan s, median [min, max] | speedup [95% "
+            "interval] | verdict | MAL | tokens, median | steps with k > 0 |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, p in sorted(natural.items(), key=lambda kv: kv[1]["iteration"]):
+            for config, v in p["natural"]["configs"].items():
+                sp, runs = v["speedup"], v["makespan_s_runs"]
+                steps = [sum(h.values()) for h in v["k_steps"]]
+                drafted = [sum(n for k, n in h.items() if int(k) > 0) for h in v["k_steps"]]
+                share = f"{sum(drafted) / sum(steps):.0%}" if sum(steps) else "-"
+                lines.append(
+                    f"| {name} | {p['iteration']} | {config} | {v['makespan_s']:.2f} "
+                    f"[{min(runs):.2f}, {max(runs):.2f}] | {sp['median']:.2f}x [{sp['low']:.2f}, "
+                    f"{sp['high']:.2f}] | {'-' if config == 'no speculation' else sp['verdict']} "
+                    f"| {v['mal']:.2f} | {statistics.median(v['tokens_runs']):.0f} | {share} |"
+                )
     lines += ["", "![learning curve and speedup](../assets/learning_run.png)"]
     if ABLATION.is_file():
         lines += ["", *ablation_table(json.loads(ABLATION.read_text())["arms"], data)]

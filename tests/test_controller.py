@@ -151,6 +151,74 @@ def test_acceptance_collapse_turns_drafting_off_then_probes_again():
     assert policy.choose(1) > 0  # so drafting is tried again (e.g. after a draft hot-swap)
 
 
+# The sampled-drafting profile measured on a 2-core Xeon (bfloat16 SmolLM2-135M + its head).
+CPU_PROFILE = LatencyModel(
+    HingeLatency(flat=19.9, slope=0.49, knee=0.0),
+    LinearCost(base=0.68, per_seq=0.0),
+    speculation=LinearCost(base=1.0, per_seq=0.146),
+)
+
+
+def drafted_steps(policy, est, batch, conditional, steps, seed=0):
+    """Run `steps` engine steps at `batch` sequences whose drafts are accepted position by
+    position with `conditional`; the share of steps that drafted."""
+    rng = np.random.default_rng(seed)
+    drafted = 0
+    for _ in range(steps):
+        k = policy.choose(batch)
+        if k:
+            drafted += 1
+            for _ in range(batch):
+                accepted = 0
+                while accepted < k and rng.random() < conditional[accepted]:
+                    accepted += 1
+                est.observe(k, accepted)
+        est.step()
+    return drafted / steps
+
+
+def test_k_zero_is_no_trap_where_the_prior_is_pessimistic():
+    # On the measured profile a k = 1 step at B = 32 costs 1.62x a k = 0 step: at the prior
+    # 0.6 no k pays, so a controller planning on the estimate never drafts there and never
+    # learns that the head is accepted far more often than that.
+    trusting = AcceptanceEstimator(4, prior=0.6, optimism=0.0)
+    assert GoodputPolicy(CPU_PROFILE, trusting, 64).choose(32) == 0
+    assert (
+        drafted_steps(
+            GoodputPolicy(CPU_PROFILE, trusting, 64), trusting, 32, [0.86, 0.74, 0.55, 0.33], 100
+        )
+        == 0.0
+    )
+    # Planning on an upper bound, it probes, measures and keeps the k that pays (k = 2-3
+    # at 1.2x by the model, E[tokens] 2.50-2.85).
+    est = AcceptanceEstimator(4, prior=0.6)
+    policy = GoodputPolicy(CPU_PROFILE, est, 64)
+    assert policy.choose(32) > 0
+    assert drafted_steps(policy, est, 32, [0.86, 0.74, 0.55, 0.33], 100) > 0.95
+    assert policy.choose(32) in (2, 3)
+    assert est.conditional()[0] == pytest.approx(0.86, abs=0.05)
+
+
+def test_where_drafting_does_not_pay_probes_are_rare():
+    # The untrained head at T = 1 (acceptance ~0.35) at B = 64: after a probe the bound
+    # falls below what pays, and the next probe waits until the evidence has faded.
+    est = AcceptanceEstimator(4, prior=0.6)
+    policy = GoodputPolicy(CPU_PROFILE, est, 64)
+    share = drafted_steps(policy, est, 64, [0.35, 0.3, 0.3, 0.3], 2000)
+    assert 0 < share < 0.02
+    # and with evidence at hand the bound is the estimate
+    assert est.optimistic_conditional()[0] - est.conditional()[0] < 0.3
+
+
+def test_plenty_of_evidence_makes_the_bound_the_estimate():
+    est = AcceptanceEstimator(3, prior=0.6, decay=1.0)
+    for _ in range(10_000):
+        est.observe(3, 1)
+    assert est.optimistic_conditional() == pytest.approx(est.conditional(), abs=0.01)
+    frozen = FrozenAcceptance([0.5, 0.4])
+    assert frozen.optimistic_tokens() == pytest.approx(frozen.expected_tokens())
+
+
 def test_fit_separates_the_cost_of_speculating_at_all_from_draft_steps():
     truth = LatencyModel(
         HingeLatency(flat=24.0, slope=0.75, knee=16.0),

@@ -131,6 +131,7 @@ class ConcurrencyAwareMixin:
             self.num_spec_tokens,
             prior=self.controller_settings.acceptance_prior,
             decay=self.controller_settings.acceptance_decay,
+            optimism=self.controller_settings.acceptance_optimism,
         )
 
     def set_policy(

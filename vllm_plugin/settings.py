@@ -50,6 +50,9 @@ class ControllerSettings(BaseModel):
     alpha: float = Field(0.75, gt=0, description="paper policy: draft-quality constant")
     acceptance_prior: float = Field(0.6, gt=0, lt=1)
     acceptance_decay: float = Field(0.97, gt=0, le=1)
+    acceptance_optimism: float = Field(
+        1.0, ge=0, description="standard errors above the acceptance estimate k is chosen on"
+    )
     trace_steps: int = Field(100_000, ge=0, description="per-step (time, B, k) records kept")
     group: GroupDraftSettings = GroupDraftSettings()
 
