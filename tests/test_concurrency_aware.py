@@ -74,7 +74,11 @@ def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, qu
     for _, b, k, _ in trace:
         by_batch.setdefault(b, set()).add(k)
     assert max(by_batch) >= 16 and min(by_batch) == 1
-    assert all(ks == {0} for b, ks in by_batch.items() if b >= 16)
+    # At B >= 16 this head's acceptance (~0.35 here) does not pay for a draft: the controller
+    # drafts there only to probe, k = 1 for a step or two while its evidence is thin (it
+    # plans on an upper confidence bound), and learns from them to stop.
+    crowded = [k for _, b, k, _ in trace if b >= 16]
+    assert max(crowded) <= 1 and sum(k > 0 for k in crowded) <= len(crowded) // 4
     assert min(by_batch[1]) >= 2
     ks = [k for _, _, k, _ in trace]
     assert ks[-1] >= ks[0]  # deeper drafts as the batch drains

@@ -212,6 +212,7 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
         "compare.shape=tail",
         "compare.cap=48",
         "compare.fixed_k=[2]",
+        "compare.natural_repeats=2",
         "--resume",
         str(out),
         timeout=900,
@@ -275,7 +276,15 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     assert "Medians of 3 repeats" in resumed.stdout
     saved = json.loads((out / "comparison.json").read_text())
     assert len(saved["no speculation"]["orders"]) == 3
-    assert all(len(v["repeats"]) == 3 for v in saved.values())
+    # and 2 natural-EOS rounds per row: each configuration its own answers, none past EOS
+    natural = {n.removeprefix("natural EOS: "): v for n, v in saved.items() if "natural" in n}
+    assert set(natural) == set(rows)
+    assert {n: len(v["repeats"]) for n, v in saved.items()} == {
+        **{n: 3 for n in rows},
+        **{f"natural EOS: {n}": 2 for n in rows},
+    }
+    assert len(natural["no speculation"]["orders"]) == 2
+    assert "'natural EOS' rows: 2 more repeats" in resumed.stdout
 
 
 def test_resumed_engine_reports_the_checkpoint_weight_versions(

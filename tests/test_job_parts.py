@@ -323,6 +323,7 @@ def test_the_tail_comparison_rolls_each_sample_out_alone_within_its_own_budget()
         ({"compare": {"cap": 600}, "rollout": {"max_model_len": 512}}, "compare.cap"),
         ({"compare": {"fixed_k": [5]}, "rollout": {"k": 4}}, "compare.fixed_k"),
         ({"compare": {"fixed_k": [1]}, "rollout": {"speculation": "off"}}, "compare.fixed_k"),
+        ({"compare": {"natural_repeats": 5}}, "compare.natural_repeats"),
     ],
 )
 def test_a_comparison_the_job_cannot_run_is_refused_by_name(overrides, field):

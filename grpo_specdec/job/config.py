@@ -198,6 +198,13 @@ class CompareSettings(StrictModel):
         description="timed rounds after one warm-up per configuration, each in a new shuffled "
         "order; ratios are their median with a 95% interval (grpo_specdec/measure.py)",
     )
+    natural_repeats: int = Field(
+        0,
+        ge=0,
+        description="tail: also this many rounds in which each configuration makes its own "
+        "answers (natural EOS, the same budgets, no per-request seeds); the equal-token rounds "
+        "make text past EOS that a real rollout never makes, where drafts are accepted less",
+    )
 
     def cap_and_median(self, max_tokens: int) -> tuple[int, int]:
         """tail: the global cap and the budgets' median, defaults filled from the rollout's."""
@@ -238,6 +245,8 @@ class TrainConfig(StrictModel):
                 f"compare.cap={cap} leaves no room for a prompt within rollout.max_model_len="
                 f"{r.max_model_len}"
             )
+        if c.natural_repeats and c.shape != "tail":
+            raise ValueError("compare.natural_repeats: natural EOS rounds need compare.shape=tail")
         for k in c.fixed_k:
             if not 1 <= k <= r.k or r.speculation == "off":
                 raise ValueError(
