@@ -49,6 +49,10 @@ ABLATION = ASSETS / "learning_ablation.json"
 PROMPTS, GROUP, CAP, MEDIAN = 4, 8, 512, 128
 FIXED_K = (2,)
 NATURAL_REPEATS = 5
+REWARD_PROMPTS, REWARD_SAMPLES = 64, 8  # the reward agreement check
+# The held-out evaluation of the start and end policies by the CLI (its first 100 problems
+# are the job's).
+EVAL_EXAMPLES, EVAL_MAX_TOKENS, EVAL_DTYPES = 200, 128, ("float32", "bfloat16")
 
 
 def train(args, data: dict) -> None:
@@ -150,6 +154,7 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
             seed=args.order_seed + 1,
             progress=lambda msg: print(f"{point}, natural EOS: {msg}", flush=True),
         )
+        rewards = reward_agreement(cfg, plain, configs["ours, online head"])
     finally:
         for e in (plain, online, initial):
             e.shutdown()
@@ -160,6 +165,39 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
         "orders": equal.orders,
         "configs": summary(equal),
         "natural": {"orders": natural.orders, "configs": summary(natural)},
+        "rewards": rewards,
+    }
+
+
+def reward_agreement(cfg, plain, ours) -> dict:
+    """Does speculation change what the policy samples? Both engines answer the same
+    REWARD_PROMPTS held-out problems REWARD_SAMPLES times at the rollout temperature;
+    each prompt's mean reward is paired over prompts (|t| < 2: within sampling noise)."""
+    from benchmarks.e2e_grpo import paired_t
+    from grpo_specdec.engine import SamplingSettings
+    from grpo_specdec.evaluate import arithmetic_eval_set
+    from grpo_specdec.tasks.rewards import reward
+
+    examples = arithmetic_eval_set(cfg.data.seed, cfg.data.levels, REWARD_PROMPTS)
+    sampling = SamplingSettings(
+        n=REWARD_SAMPLES, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens
+    )
+    ours.engine.scheduler().set_policy(ours.policy, ours.acceptance)
+
+    def prompt_means(engine) -> list[float]:
+        engine.llm.reset_prefix_cache()
+        groups = engine.generate([e.question for e in examples], sampling).outputs
+        return [
+            statistics.mean(reward(s.text, e.answer, cfg.reward.format_bonus) for s in group)
+            for group, e in zip(groups, examples, strict=True)
+        ]
+
+    means = {"no speculation": prompt_means(plain), "ours, online head": prompt_means(ours.engine)}
+    return {
+        "prompts": REWARD_PROMPTS,
+        "samples": REWARD_SAMPLES,
+        "prompt_means": means,
+        "paired_t": paired_t(means["ours, online head"], means["no speculation"]),
     }
 
 
@@ -219,6 +257,51 @@ def measure(args, data: dict) -> None:
         SAVED.write_text(json.dumps(data, indent=1))
 
 
+def held_out(args, data: dict) -> None:
+    """The start and end policies by `grpo-specdec eval`, side by side in one engine
+    configuration, in float32 and in bfloat16: the job's own evaluations run in the
+    engine it rolls out with, whose batch shapes move bfloat16 greedy decoding."""
+    import tempfile
+
+    evals = data.setdefault("held_out", {})
+    policies = {"start": "smollm2", "end": args.out}
+    for dtype in EVAL_DTYPES:
+        for point, model in policies.items():
+            key = f"{point}/{dtype}"
+            if key in evals:
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                report = Path(tmp) / "eval.json"
+                cli(
+                    "eval",
+                    *("--model", model, "--num", str(EVAL_EXAMPLES), "--dtype", dtype),
+                    *("--max-tokens", str(EVAL_MAX_TOKENS), "--json", str(report)),
+                )
+                evals[key] = json.loads(report.read_text())
+            SAVED.write_text(json.dumps(data, indent=1))
+
+
+def held_out_lines(evals: dict) -> list[str]:
+    lines = [
+        f"`grpo-specdec eval --model M --num {EVAL_EXAMPLES} --max-tokens {EVAL_MAX_TOKENS} "
+        "--dtype D` on the start policy (`--model smollm2`) and the run's last checkpoint, one "
+        "plain engine configuration for both (greedy, 95% Wilson interval):",
+        "",
+        "| engine dtype | start | end | end / start | points |",
+        "|---|---|---|---|---|",
+    ]
+    for dtype in EVAL_DTYPES:
+        start, end = evals.get(f"start/{dtype}"), evals.get(f"end/{dtype}")
+        if start and end:
+            lines.append(
+                f"| {dtype} | {start['accuracy']:.3f} [{start['interval'][0]:.3f}, "
+                f"{start['interval'][1]:.3f}] | {end['accuracy']:.3f} [{end['interval'][0]:.3f}, "
+                f"{end['interval'][1]:.3f}] | {end['accuracy'] / max(start['accuracy'], 1e-9):.2f}x "
+                f"| {100 * (end['accuracy'] - start['accuracy']):+.1f} |"
+            )
+    return lines
+
+
 def _slope(ys: list[float], boot: int = 4000) -> tuple[float, float, float]:
     """Least-squares slope per iteration, and its 95% interval from a bootstrap over the
     iterations (pairs resampled with replacement)."""
@@ -258,6 +341,7 @@ def report(data: dict) -> str:
         f"{100 * (last['accuracy'] - first['accuracy']):+.1f} points. Reward slope "
         f"{slope:+.4f} per iteration, 95% interval [{low:+.4f}, {high:+.4f}].",
         "",
+        *(held_out_lines(data["held_out"]) + [""] if data.get("held_out") else []),
         "| iteration | reward | accuracy (train samples) | entropy at T=1 | MAL in the rollout "
         "(online head) | head's top-1 on the rollout | draft lag | held-out greedy accuracy |",
         "|---|---|---|---|---|---|---|---|",
@@ -337,6 +421,26 @@ def report(data: dict) -> str:
                     f"{sp['high']:.2f}] | {'-' if config == 'no speculation' else sp['verdict']} "
                     f"| {v['mal']:.2f} | {statistics.median(v['tokens_runs']):.0f} | {share} |"
                 )
+    agreement = {n: p["rewards"] for n, p in data.get("points", {}).items() if "rewards" in p}
+    if agreement:
+        lines += [
+            "",
+            "Rewards with and without speculation (ours, online head): the same held-out "
+            "problems answered by each engine at the rollout temperature, each prompt's mean "
+            "reward paired over prompts (|t| < 2: the rewards agree within sampling noise).",
+            "",
+            "| point | prompts x samples | reward, no speculation | reward, ours | paired t |",
+            "|---|---|---|---|---|",
+        ]
+        for name, r in agreement.items():
+            plain_mean, ours_mean = (
+                statistics.mean(r["prompt_means"][c])
+                for c in ("no speculation", "ours, online head")
+            )
+            lines.append(
+                f"| {name} | {r['prompts']} x {r['samples']} | {plain_mean:.3f} | "
+                f"{ours_mean:.3f} | {r['paired_t']:+.2f} |"
+            )
     lines += ["", "![learning curve and speedup](../assets/learning_run.png)"]
     if ABLATION.is_file():
         lines += ["", *ablation_table(json.loads(ABLATION.read_text())["arms"], data)]
@@ -460,6 +564,7 @@ def main() -> None:
         if "training" not in data:
             train(args, data)
         measure(args, data)
+        held_out(args, data)
     plot(data)
     text = report(data)
     write_study("learning_run", "The learning run (SmolLM2-135M, CPU)", text, "learning_run.py")
