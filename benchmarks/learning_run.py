@@ -53,6 +53,7 @@ REWARD_PROMPTS, REWARD_SAMPLES = 64, 8  # the reward agreement check
 # The held-out evaluation of the start and end policies by the CLI (its first 100 problems
 # are the job's).
 EVAL_EXAMPLES, EVAL_MAX_TOKENS, EVAL_DTYPES = 200, 128, ("float32", "bfloat16")
+ROUNDED = "end, rounded to bfloat16"  # the end policy as its bf16 engine served it
 
 
 def train(args, data: dict) -> None:
@@ -264,13 +265,15 @@ def held_out(args, data: dict) -> None:
     import tempfile
 
     evals = data.setdefault("held_out", {})
-    policies = {"start": "smollm2", "end": args.out}
+    policies = {"start": "smollm2", "end": args.out, ROUNDED: args.out}
     for dtype in EVAL_DTYPES:
         for point, model in policies.items():
             key = f"{point}/{dtype}"
-            if key in evals:
+            if key in evals or (point == ROUNDED and dtype != "float32"):
                 continue
             with tempfile.TemporaryDirectory() as tmp:
+                if point == ROUNDED:
+                    model = rounded_to_bfloat16(model, Path(tmp) / "policy")
                 report = Path(tmp) / "eval.json"
                 cli(
                     "eval",
@@ -279,6 +282,26 @@ def held_out(args, data: dict) -> None:
                 )
                 evals[key] = json.loads(report.read_text())
             SAVED.write_text(json.dumps(data, indent=1))
+
+
+def rounded_to_bfloat16(run: str, out: Path) -> str:
+    """A copy of the run's last policy with every weight rounded to bfloat16 (and stored
+    as float32): the weights a bfloat16 engine serves, and a bf16-autocast learner computes
+    with, given the float32 weights the checkpoint keeps for the optimiser."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from grpo_specdec.evaluate import policy_folder
+
+    source = Path(policy_folder(run))
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    for file in source.glob("*.safetensors"):
+        weights = load_file(file)
+        rounded = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in weights.items()}
+        save_file(rounded, out / file.name, metadata={"format": "pt"})
+    return str(out)
 
 
 def held_out_lines(evals: dict) -> list[str]:
@@ -290,11 +313,19 @@ def held_out_lines(evals: dict) -> list[str]:
         "| engine dtype | start | end | end / start | points |",
         "|---|---|---|---|---|",
     ]
-    for dtype in EVAL_DTYPES:
-        start, end = evals.get(f"start/{dtype}"), evals.get(f"end/{dtype}")
+    rows = [(dtype, f"start/{dtype}", f"end/{dtype}") for dtype in EVAL_DTYPES]
+    rows.append(
+        (
+            f"float32, the end's weights {ROUNDED.split(', ')[1]}",
+            "start/float32",
+            f"{ROUNDED}/float32",
+        )
+    )
+    for label, start_key, end_key in rows:
+        start, end = evals.get(start_key), evals.get(end_key)
         if start and end:
             lines.append(
-                f"| {dtype} | {start['accuracy']:.3f} [{start['interval'][0]:.3f}, "
+                f"| {label} | {start['accuracy']:.3f} [{start['interval'][0]:.3f}, "
                 f"{start['interval'][1]:.3f}] | {end['accuracy']:.3f} [{end['interval'][0]:.3f}, "
                 f"{end['interval'][1]:.3f}] | {end['accuracy'] / max(start['accuracy'], 1e-9):.2f}x "
                 f"| {100 * (end['accuracy'] - start['accuracy']):+.1f} |"
@@ -365,11 +396,13 @@ def report(data: dict) -> str:
         f"### Speculation as the policy learns: the tail shape ({PROMPTS} prompts x {GROUP} "
         f"samples, budgets log-normal around {MEDIAN} under a {CAP} cap), side by side",
         "",
-        f"Makespan, median of {data['args']['repeats']} rounds after a warm-up, order shuffled "
+        "Makespan, the median of each point's rounds (below) after a warm-up, order shuffled "
         "per round; speedup over no speculation paired by round with its 95% interval.",
         "",
         *[
-            f"The {name} point measured with `{p['command']}`. {p['machine']['note']}"
+            f"The {name} point measured with `{p['command']}` ({rounds(p['configs'])} rounds"
+            + (f", {rounds(p['natural']['configs'])} with natural EOS" if "natural" in p else "")
+            + f"). {p['machine']['note']}"
             for name, p in data.get("points", {}).items()
             if "command" in p
         ],
@@ -401,7 +434,7 @@ def report(data: dict) -> str:
         lines += [
             "",
             "Natural EOS: the same prompts and budgets, each configuration's own answers "
-            f"(no EOS ignored, no per-request seeds), {NATURAL_REPEATS}+ rounds after a "
+            "(no EOS ignored, no per-request seeds), the rounds above after a "
             "warm-up, order shuffled per round. Lengths differ by chance between rounds and "
             "configurations, so the makespan's spread is shown.",
             "",
@@ -445,6 +478,10 @@ def report(data: dict) -> str:
     if ABLATION.is_file():
         lines += ["", *ablation_table(json.loads(ABLATION.read_text())["arms"], data)]
     return "\n".join(lines)
+
+
+def rounds(configs: dict) -> int:
+    return len(next(iter(configs.values()))["makespan_s_runs"])
 
 
 def ablation_table(arms: list[dict], data: dict) -> list[str]:

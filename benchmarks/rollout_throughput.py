@@ -543,9 +543,10 @@ def main() -> None:
         "c_peak": latency.c_peak,
         "latency": latency.to_dict(),
         # Each profile the run priced on (greedy, and sampled drafting with --sampled): its
-        # latency model, the costs it timed for the simulator, when it was measured.
+        # latency model, the costs it timed for the simulator, its timed steps (the
+        # simulator's validation prices each replayed step by them), when it was measured.
         "profiles": {
-            name: {f: p.get(f) for f in ("latency", "unprofiled", "created")}
+            name: {f: p.get(f) for f in ("latency", "unprofiled", "measurements", "created")}
             for name, p in profiles.items()
         },
         "static_tables": tables,
