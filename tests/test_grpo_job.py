@@ -285,6 +285,10 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     }
     assert len(natural["no speculation"]["orders"]) == 2
     assert "'natural EOS' rows: 2 more repeats" in resumed.stdout
+    (natural_plain,) = (
+        line for line in resumed.stdout.splitlines() if line.startswith("| natural EOS: no spec")
+    )
+    assert [cell.strip() for cell in natural_plain.split("|")[2:-1]][8] == "-"  # no verdict
 
 
 def test_resumed_engine_reports_the_checkpoint_weight_versions(

@@ -154,7 +154,7 @@ def comparison_table(runs: dict[str, dict], requests: str) -> str:
             f"| {name} | {v['tokens']:.0f} | {v['wall_s']:.1f} | {v['tokens_per_s']:.1f} | "
             f"{ratio['median']:.2f}x | {v['tail_s']:.1f} | {v['mean_acceptance_length']:.2f} | "
             f"{ks or '-'} | [{ratio['low']:.2f}, {ratio['high']:.2f}] | "
-            f"{'-' if name == NO_SPEC else ratio['verdict']} | "
+            f"{'-' if name in (NO_SPEC, NATURAL + NO_SPEC) else ratio['verdict']} | "
             f"{f'{max(busy):.0%}' if busy else 'not measured'} |"
         )
     repeats = len(runs[NO_SPEC]["repeats"])
