@@ -15,8 +15,9 @@ context T, S and D were timed at, in two parts per token of context: a_s per seq
 its KV cache) and a_q per query token (the compute that does grow with k). c is the
 running requests' mean context; late in a rollout, where the tail runs, it is long. And
 E[tokens | k] = 1 + sum_{i<k} prod_{j<=i} p_j with p_j the measured conditional
-acceptance at draft position j. The goodput policy picks the k with the
-largest G; the paper's rule and a fixed k sit behind the same interface.
+acceptance at draft position j, which the goodput policy takes at an upper
+confidence bound of its estimate (`AcceptanceEstimator`) and picks the k with the largest
+G; the paper's rule and a fixed k sit behind the same interface.
 """
 
 from __future__ import annotations
@@ -229,8 +230,9 @@ class AcceptanceEstimator:
     prior 0.6 kept k = 0 at B = 32 where the head's acceptance was 0.86 and k = 2 paid
     1.15x). With little evidence the bound is high, the step drafts and 32 sequences
     report at once; with plenty (about B / (1 - decay) observations in steady state) it
-    is the estimate. Where drafting does not pay, evidence fades and one probing step
-    recurs every ~1 / (1 - decay) log(B) steps.
+    is the estimate. Where drafting does not pay, a probing step recurs only once the
+    evidence has faded (0.65% of steps at B = 64 and acceptance 0.35 on the measured CPU
+    profile, tests/test_controller.py).
     """
 
     def __init__(
