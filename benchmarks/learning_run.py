@@ -13,7 +13,9 @@ learn, and speculation measured side by side as the policy sharpens.
    (`grpo_specdec/measure.py`: warmed, order shuffled per round, --repeats rounds): no
    speculation, ours with the online head of that point, ours with the initial (frozen)
    head, and fixed k. Every configuration makes exactly the tokens each request made in a
-   seeded rollout without speculation (EOS then ignored), so makespans compare equal work.
+   seeded rollout without speculation (EOS then ignored), so makespans compare equal work;
+   then in rounds where each makes its own answers (natural EOS). The end point is measured
+   again at T = 1, where the issue's acceptance goal is stated (the recipe samples at 0.7).
 Each part is saved to docs/assets/learning_run.json as it finishes; a rerun skips what is
 there (delete the file, or --fresh, to measure again).
 """
@@ -54,6 +56,7 @@ REWARD_PROMPTS, REWARD_SAMPLES = 64, 8  # the reward agreement check
 # are the job's).
 EVAL_EXAMPLES, EVAL_MAX_TOKENS, EVAL_DTYPES = 200, 128, ("float32", "bfloat16")
 ROUNDED = "end, rounded to bfloat16"  # the end policy as its bf16 engine served it
+END_AT_T1 = "end at T = 1"  # no comma: --points splits on commas
 
 
 def train(args, data: dict) -> None:
@@ -82,8 +85,11 @@ def train(args, data: dict) -> None:
     SAVED.write_text(json.dumps(data, indent=1))
 
 
-def side_by_side(args, point: str, policy: str, online_head: str, initial_head: str) -> dict:
-    """The tail shape rolled out by `policy`: no speculation, ours with each head, fixed k."""
+def side_by_side(
+    args, point: str, policy: str, online_head: str, initial_head: str, temperature: float
+) -> dict:
+    """The tail shape rolled out by `policy` at `temperature`: no speculation, ours with each
+    head, fixed k."""
     from benchmarks.rollout_throughput import Config, replay_lengths, run_config
     from grpo_specdec.config import load_yaml
     from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
@@ -111,7 +117,7 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
 
     plain, online, initial = engine(None), engine(online_head), engine(initial_head)
     try:
-        sampling = SamplingSettings(temperature=cfg.rollout.temperature, max_tokens=CAP)
+        sampling = SamplingSettings(temperature=temperature, max_tokens=CAP)
         workload = ("tail", "tail", "", shape.prompts, sampling)
         per_request = {"seeds": shape.seeds, "max_tokens": shape.max_tokens}
         endings: dict[str, int] = {}
@@ -155,12 +161,13 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
             seed=args.order_seed + 1,
             progress=lambda msg: print(f"{point}, natural EOS: {msg}", flush=True),
         )
-        rewards = reward_agreement(cfg, plain, configs["ours, online head"])
+        rewards = reward_agreement(cfg, plain, configs["ours, online head"], temperature)
     finally:
         for e in (plain, online, initial):
             e.shutdown()
     return {
         "policy": policy,
+        "temperature": temperature,
         "online_head": online_head,
         "endings": endings,
         "orders": equal.orders,
@@ -170,9 +177,9 @@ def side_by_side(args, point: str, policy: str, online_head: str, initial_head: 
     }
 
 
-def reward_agreement(cfg, plain, ours) -> dict:
+def reward_agreement(cfg, plain, ours, temperature: float) -> dict:
     """Does speculation change what the policy samples? Both engines answer the same
-    REWARD_PROMPTS held-out problems REWARD_SAMPLES times at the rollout temperature;
+    REWARD_PROMPTS held-out problems REWARD_SAMPLES times at `temperature`;
     each prompt's mean reward is paired over prompts (|t| < 2: within sampling noise)."""
     from benchmarks.e2e_grpo import paired_t
     from grpo_specdec.engine import SamplingSettings
@@ -181,7 +188,7 @@ def reward_agreement(cfg, plain, ours) -> dict:
 
     examples = arithmetic_eval_set(cfg.data.seed, cfg.data.levels, REWARD_PROMPTS)
     sampling = SamplingSettings(
-        n=REWARD_SAMPLES, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens
+        n=REWARD_SAMPLES, temperature=temperature, max_tokens=cfg.rollout.max_tokens
     )
     ours.engine.scheduler().set_policy(ours.policy, ours.acceptance)
 
@@ -219,6 +226,7 @@ def summary(timed) -> dict:
             "tokens_runs": [r["tokens"] for r in runs],
             "tokens_after_eos": statistics.median(r["tokens_after_eos"] for r in runs),
             "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
+            "mal_before_eos": statistics.median(r["mal_before_eos"] for r in runs),
             "k_steps": [dict(Counter(k for _, _, k in r.get("trace", ()))) for r in runs],
             "speedup": speedup(base, makespans[name]).to_dict(),
             "others_cpu_share": timed.busy[name],
@@ -227,16 +235,22 @@ def summary(timed) -> dict:
     }
 
 
-def points(args) -> dict[str, tuple[int, str, str]]:
-    """name -> (iteration, policy, its online head) at the start, middle and end."""
+def points(args) -> dict[str, tuple[int, str, str, float]]:
+    """name -> (iteration, policy, its online head, temperature) at the start, middle and
+    end at the recipe's temperature, and at the end at T = 1."""
+    from grpo_specdec.config import load_yaml
+    from grpo_specdec.job.config import TrainConfig
     from grpo_specdec.job.models import resolve_model
 
+    recipe_t = load_yaml(TrainConfig, CONFIG, []).rollout.temperature
     ckpts = Path(args.out) / "checkpoints"
     middle, end = args.iterations // 2, args.iterations
+    end_policy = str(ckpts / f"iter_{end:06d}" / "policy")
     return {
-        "start": (0, resolve_model("smollm2"), resolve_model("smollm2-arith")),
-        "middle": (middle, str(ckpts / f"iter_{middle:06d}" / "policy"), ""),
-        "end": (end, str(ckpts / f"iter_{end:06d}" / "policy"), ""),
+        "start": (0, resolve_model("smollm2"), resolve_model("smollm2-arith"), recipe_t),
+        "middle": (middle, str(ckpts / f"iter_{middle:06d}" / "policy"), "", recipe_t),
+        "end": (end, end_policy, "", recipe_t),
+        END_AT_T1: (end, end_policy, "", 1.0),
     }
 
 
@@ -244,11 +258,11 @@ def measure(args, data: dict) -> None:
     from grpo_specdec.job.models import resolve_model
 
     initial = resolve_model("smollm2-arith")
-    for name, (iteration, policy, head) in points(args).items():
+    for name, (iteration, policy, head, temperature) in points(args).items():
         if name in data.get("points", {}) or name not in args.points.split(","):
             continue
         head = head or str(Path(policy).parent / "draft")
-        result = side_by_side(args, name, policy, head, initial)
+        result = side_by_side(args, name, policy, head, initial, temperature)
         data.setdefault("points", {})[name] = {
             "iteration": iteration,
             **result,
@@ -397,7 +411,8 @@ def report(data: dict) -> str:
         f"samples, budgets log-normal around {MEDIAN} under a {CAP} cap), side by side",
         "",
         "Makespan, the median of each point's rounds (below) after a warm-up, order shuffled "
-        "per round; speedup over no speculation paired by round with its 95% interval.",
+        "per round; speedup over no speculation paired by round with its 95% interval. "
+        f"Sampled at the recipe's temperature, and the point '{END_AT_T1}' at T = 1.",
         "",
         *[
             f"The {name} point measured with `{p['command']}` ({rounds(p['configs'])} rounds"
@@ -409,11 +424,11 @@ def report(data: dict) -> str:
         "",
         "'after EOS': of the tokens each configuration made (the reference rollout's lengths, "
         "EOS ignored), those after a request's first EOS, text a real rollout never makes; its "
-        "MAL counts them too.",
+        "MAL counts them too, 'MAL before EOS' only the verifications that began before it.",
         "",
         "| point | iteration | config | makespan s | speedup [95% interval] | verdict | MAL | "
-        "after EOS |",
-        "|---|---|---|---|---|---|---|---|",
+        "MAL before EOS | after EOS |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, p in sorted(data.get("points", {}).items(), key=lambda kv: kv[1]["iteration"]):
         for config, v in p["configs"].items():
@@ -422,6 +437,7 @@ def report(data: dict) -> str:
                 f"| {name} | {p['iteration']} | {config} | {v['makespan_s']:.1f} | "
                 f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}] | "
                 f"{'-' if config == 'no speculation' else sp['verdict']} | {v['mal']:.2f} | "
+                + (f"{v['mal_before_eos']:.2f} | " if "mal_before_eos" in v else "- | ")
                 + (
                     f"{v['tokens_after_eos']:.0f} of {v['tokens']}"
                     if "tokens_after_eos" in v
@@ -459,7 +475,7 @@ def report(data: dict) -> str:
         lines += [
             "",
             "Rewards with and without speculation (ours, online head): the same held-out "
-            "problems answered by each engine at the rollout temperature, each prompt's mean "
+            "problems answered by each engine at the point's temperature, each prompt's mean "
             "reward paired over prompts (|t| < 2: the rewards agree within sampling noise).",
             "",
             "| point | prompts x samples | reward, no speculation | reward, ours | paired t |",
@@ -550,7 +566,11 @@ def plot(data: dict) -> None:
     axes[2].set(title="the online head", xlabel="iteration")
     axes[2].legend(fontsize=7)
     for config in ("ours, online head", "ours, initial head", "fixed k = 2, online head"):
-        pts = [(p["iteration"], p["configs"][config]) for p in data.get("points", {}).values()]
+        pts = [
+            (p["iteration"], p["configs"][config])
+            for name, p in data.get("points", {}).items()
+            if name != END_AT_T1
+        ]
         if pts:
             axes[3].errorbar(
                 [i for i, _ in pts],
@@ -581,7 +601,9 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="the study from the saved JSON")
     ap.add_argument("--fresh", action="store_true", help="measure everything again")
     ap.add_argument(
-        "--points", default="start,middle,end", help="which side-by-side rollouts to measure"
+        "--points",
+        default=f"start,middle,end,{END_AT_T1}",
+        help="which side-by-side rollouts to measure",
     )
     protocol_args(ap)
     args = ap.parse_args()

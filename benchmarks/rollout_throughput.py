@@ -31,6 +31,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,7 @@ def run(engine: Engine, prompts: list[str], sampling: SamplingSettings, per_requ
         "tokens": res.num_generated_tokens,
         "tokens_after_eos": tokens_after_eos(answers, engine.tokenizer.eos_token_id),
         "mean_acceptance_length": res.spec["mean_acceptance_length"],
+        **({"mal_before_eos": 1.0} if not res.spec["drafts"] else {}),  # nothing verified
         "per_position_acceptance": res.spec.get("per_position_acceptance", []),
         "scheduled_s": res.scheduled_s,
         "finished_s": res.finished_s,
@@ -158,13 +160,17 @@ def run_config(
     else:
         scheduler = config.engine.scheduler()
         scheduler.set_policy(config.policy, config.acceptance)
-        mark = scheduler.steps_scheduled
+        mark, before_eos = scheduler.steps_scheduled, Counter(scheduler.verified_before_eos)
         free_k0_v0_32.ENABLED = config.free_k0
         try:
             out = run(config.engine, prompts, sampling, per_request)
         finally:
             free_k0_v0_32.ENABLED = True
         out["trace"] = [(t, b, k) for t, b, k, _ in scheduler.steps_since(mark)]
+        verified = scheduler.verified_before_eos - before_eos
+        out["mal_before_eos"] = (
+            1 + verified["accepted"] / verified["drafts"] if verified["drafts"] else 1.0
+        )
     if config.group:
         out["group"] = config.engine.group_draft_stats()["sources"]
     return out
@@ -516,6 +522,8 @@ def main() -> None:
             "others_cpu_share": [r.get("others_cpu_share") for r in runs],
             "tokens_after_eos": statistics.median(r["tokens_after_eos"] for r in runs),
         }
+        if all("mal_before_eos" in r for r in runs):
+            out["mal_before_eos"] = statistics.median(r["mal_before_eos"] for r in runs)
         if any(len({n for group in r["lengths"] for n in group}) > 1 for r in runs):
             out["lengths_runs"] = [[n for group in r["lengths"] for n in group] for r in runs]
         drafted = [r["per_position_acceptance"] for r in runs if r["per_position_acceptance"]]
@@ -788,19 +796,20 @@ def _tail_report(per: dict, r: dict) -> list[str]:
         "last. Speedups are no speculation's time over the configuration's (higher is better).",
         "",
         "'after EOS': the tokens a configuration made past a request's first EOS (text a "
-        "real rollout never makes, which its mean acceptance length counts too).",
+        "real rollout never makes, which its mean acceptance length counts too); 'MAL before "
+        "EOS': the mean acceptance length of the verifications that began before it.",
         "",
         "| config | makespan s | speedup | tail phase s | tail speedup | tokens/s | mean acceptance length "
-        "| after EOS | group tokens drafted / accepted | model tokens drafted / accepted |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| MAL before EOS | after EOS | group tokens drafted / accepted | model tokens drafted / accepted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, v in per.items():
-        after_eos = v.get("tokens_after_eos")
+        after_eos, before_eos = v.get("tokens_after_eos"), v.get("mal_before_eos")
         lines.append(
             f"| {n} | {v['makespan_s']:.1f} | {_x(v)} | "
             f"{v['tail_s']:.1f} | {base['tail_s'] / v['tail_s']:.2f}x | {v['tokens_per_s']:.0f} | "
-            f"{v['mal']:.2f} | {'-' if after_eos is None else f'{after_eos:.0f}'} | "
-            f"{_by_source(v)} |"
+            f"{v['mal']:.2f} | {'-' if before_eos is None else f'{before_eos:.2f}'} | "
+            f"{'-' if after_eos is None else f'{after_eos:.0f}'} | {_by_source(v)} |"
         )
     rivals = [best_fixed, "static table", "paper rule", *VLLM_EXAMPLE_TABLES_NAMES]
     for ours in ("ours", "sampled ours", "ours + group", "sampled ours + group"):

@@ -113,6 +113,62 @@ def test_policies_compared_on_one_engine_learn_into_their_own_estimators(aware_e
     assert second.tried.any()
 
 
+def test_verifications_before_each_request_s_first_eos_are_counted_in_the_real_engine(
+    aware_engine, questions
+):
+    """vLLM's counts, less the verifications past an EOS the request ignores."""
+    scheduler = aware_engine.scheduler()
+    started_with = scheduler.policy, scheduler.acceptance
+    prompts, sampling = _fixed_length(4, questions, tokens=40)
+    before = Counter(scheduler.verified_before_eos)
+    try:
+        scheduler.set_policy(FixedPolicy(2), scheduler.new_acceptance())
+        res = aware_engine.generate(prompts, sampling)
+    finally:
+        scheduler.set_policy(*started_with)
+    counted = scheduler.verified_before_eos - before
+    eos = aware_engine.tokenizer.eos_token_id
+    if any(eos in s.token_ids[:-1] for group in res.outputs for s in group):
+        assert 0 < counted["drafts"] < res.spec["drafts"]
+    else:
+        assert counted == {"drafts": res.spec["drafts"], "accepted": res.spec["accepted_tokens"]}
+    assert res.spec["drafts"] > 0
+
+
+def test_verifications_past_an_ignored_eos_are_left_out_of_the_before_eos_counts():
+    from types import SimpleNamespace
+
+    from vllm_plugin.controller import AcceptanceEstimator
+    from vllm_plugin.group_drafter import MODEL
+    from vllm_plugin.scheduler import ConcurrencyAwareMixin
+
+    class Base:
+        def make_spec_decoding_stats(self, stats, *args):
+            return stats
+
+    class Scheduler(ConcurrencyAwareMixin, Base):
+        pass
+
+    def request(output_token_ids, ignore_eos=True):
+        params = SimpleNamespace(ignore_eos=ignore_eos, all_stop_token_ids={2, 7})
+        return SimpleNamespace(sampling_params=params, output_token_ids=output_token_ids)
+
+    scheduler = Scheduler()
+    scheduler.acceptance, scheduler.draft_sources = AcceptanceEstimator(4), {}
+    scheduler.verified_by_source, scheduler.verified_before_eos = Counter(), Counter()
+    scheduler.requests = {
+        "before": request([5, 6]),
+        "past": request([5, 7, 6]),  # 7: a stop token of the generation config
+        "stopping": request([5, 6], ignore_eos=False),
+    }
+    scheduler.make_spec_decoding_stats(None, 3, 2, None, "before")
+    scheduler.make_spec_decoding_stats(None, 3, 1, None, "past")
+    scheduler.make_spec_decoding_stats(None, 3, 3, None, "stopping")
+    scheduler.make_spec_decoding_stats(None, 3, 0, {"gone": 3}, "gone")  # all invalid
+    assert scheduler.verified_before_eos == {"drafts": 2, "accepted": 5}
+    assert scheduler.verified_by_source == {MODEL: 3}  # every verification, as before
+
+
 class _Seen:
     """A policy that drafts nothing and keeps what the scheduler asked it."""
 

@@ -362,6 +362,7 @@ def test_the_scheduler_prices_k_on_the_model_drafts_as_used():
     scheduler = Scheduler()
     scheduler.acceptance = AcceptanceEstimator(4)
     scheduler.draft_sources, scheduler.verified_by_source = {}, Counter()
+    scheduler.requests, scheduler.verified_before_eos = {}, Counter()
     drafts = DraftTokenIds(["a", "b"], [[1, 2], [3, 4, 5, 6]])
     drafts.grpo_sources, drafts.grpo_model_discarded = [GROUP, MODEL], [4, 0]
     scheduler.update_draft_token_ids(drafts)

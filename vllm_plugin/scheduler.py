@@ -89,6 +89,19 @@ class _PolicyLookup:
         return self.policy.choose(batch_size, context)
 
 
+def past_first_eos(request) -> bool:
+    """Has this request already made an EOS (or a stop token of the model's generation
+    config) that it was told to ignore (`ignore_eos`, as benchmarks equalising lengths
+    set)? Drafts verified past it are on text a real rollout never makes. A request that
+    stops at EOS is never past it."""
+    params = request.sampling_params
+    return (
+        params is not None
+        and params.ignore_eos
+        and not params.all_stop_token_ids.isdisjoint(request.output_token_ids)
+    )
+
+
 def recent(trace: deque, n: int) -> list:
     """The last n records of trace (all it holds if n exceeds that)."""
     return list(itertools.islice(trace, max(0, len(trace) - n), None)) if n > 0 else []
@@ -107,6 +120,9 @@ class ConcurrencyAwareMixin:
         # says; without it every draft is the model's), so k is priced on the model's.
         self.draft_sources: dict[str, str] = {}
         self.verified_by_source: Counter = Counter()  # request-steps with drafts verified
+        # "drafts" (request-steps with drafts verified) and their "accepted" tokens, on text
+        # before each request's first EOS: vLLM's counts less those past an ignored EOS.
+        self.verified_before_eos: Counter = Counter()
         self.set_policy(build_policy(self.controller_settings, self.acceptance, self.vllm_config))
         # (monotonic time, running requests, k, decode-only step), one per step.
         self.step_trace: deque = deque(maxlen=self.controller_settings.trace_steps)
@@ -186,6 +202,10 @@ class ConcurrencyAwareMixin:
         source = self.draft_sources.get(request_id, MODEL)
         if num_draft_tokens - invalid > 0:
             self.verified_by_source[source] += 1
+            request = self.requests.get(request_id)
+            if request is None or not past_first_eos(request):
+                self.verified_before_eos["drafts"] += 1
+                self.verified_before_eos["accepted"] += num_accepted_tokens
         if num_draft_tokens - invalid > 0 and source == MODEL:
             self.acceptance.observe(num_draft_tokens - invalid, num_accepted_tokens)
         return super().make_spec_decoding_stats(
