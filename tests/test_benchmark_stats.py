@@ -113,9 +113,10 @@ def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixe
 ):
     from benchmarks import rollout_throughput as rt
 
-    def run(makespan_s: float, tail_s: float, after_eos: float = 0) -> dict:
+    def run(makespan_s: float, tail_s: float, after_eos: float = 0, **more) -> dict:
         return {
             "tokens_after_eos": after_eos,
+            **more,
             "tokens_per_s": 10.0,
             "wall_s": makespan_s,
             "mal": 1.0,
@@ -131,7 +132,7 @@ def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixe
         "k=1": run(95, 30),
         "sampled k=2": run(90, 25),
         "static table": run(96, 31),
-        "ours": run(80, 20, after_eos=12),
+        "ours": run(80, 20, after_eos=12, mal_before_eos=2.5),
     }
     result = {
         "args": {"repeats": 1, "head": None, "study": "check", "tokens": 64},
@@ -157,7 +158,8 @@ def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixe
         "2.00x",
     ]
     assert rows["k=1"][1].strip() == "1.05x [1.05, 1.05], gain"
-    assert rows["ours"][6].strip() == "12" and rows["no spec"][6].strip() == "0"
+    assert [c.strip() for c in rows["ours"][5:8]] == ["1.00", "2.50", "12"]
+    assert [c.strip() for c in rows["no spec"][5:8]] == ["1.00", "-", "0"]
     assert "During the timed runs others took at most 2.0% of the machine" in text
     assert (
         "ours vs sampled k=2: 1.12x, static table: 1.20x in makespan (best fixed k: sampled k=2)"
