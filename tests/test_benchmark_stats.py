@@ -12,7 +12,8 @@ import pytest
 from benchmarks import common
 from benchmarks.common import STALE_NOTES, write_study
 from benchmarks.e2e_grpo import paired_t, prompt_means, report
-from benchmarks.rollout_throughput import mean_conditional, named_configs
+from benchmarks.rollout_report import mean_conditional
+from benchmarks.rollout_throughput import named_configs
 
 # Per-prompt rewards of two configurations on the same six prompts: a difference within noise.
 X = [0.5, 0.2, 0.4, 0.3, 0.6, 0.1]
@@ -111,7 +112,7 @@ def test_notes_are_kept_and_flagged_once_when_the_results_change(studies):
 def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixed_k(
     tmp_path, monkeypatch
 ):
-    from benchmarks import rollout_throughput as rt
+    from benchmarks import rollout_report as rt
 
     def run(makespan_s: float, tail_s: float, after_eos: float = 0, **more) -> dict:
         return {
@@ -142,6 +143,8 @@ def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixe
         "static_tables": {"base": [[1, 4, 2]]},
         "results": {"tail": {"tail": rt.with_speedups("tail", per)}},
         "traces": {},
+        "shapes": {},
+        "tail_shape": {"prompts": 8, "group": 8, "cap": 1024},
         "tail_timelines": {"no spec": [(0.0, 1.0), (0.0, 3.0)], "ours": [(0.0, 0.5), (0.1, 2.0)]},
     }
     text = rt.report(result)

@@ -1,0 +1,382 @@
+"""The report of `benchmarks/rollout_throughput.py`: each configuration's rounds summarised,
+speedups over no speculation with their intervals, the study's tables and plots."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import ASSETS
+from grpo_specdec.measure import speedup
+from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES
+from grpo_specdec.tasks.tail_shape import in_flight, tail_phase_s
+from vllm_plugin.controller import conditional_from_cumulative
+
+TAIL_FRACTION = 0.1  # the tail phase: after all but this share of the requests finished
+FEW_IN_FLIGHT = 8  # "few sequences in flight": B at or below this
+VLLM_EXAMPLE_TABLES_NAMES = [f"vLLM example table ({n})" for n in VLLM_EXAMPLE_TABLES]
+
+
+def mean_conditional(per_position: list[list[float]]) -> list[float]:
+    """The conditional acceptance per position, averaged over runs, from each run's
+    per-position acceptance; a run whose drafts never reached a position (a policy that
+    chose a smaller k that time) leaves it to the runs that did."""
+    conditional = [conditional_from_cumulative(c) for c in per_position]
+    return [
+        statistics.fmean(c[i] for c in conditional if i < len(c))
+        for i in range(max(len(c) for c in conditional))
+    ]
+
+
+def few_in_flight_share(trace: list) -> float:
+    """Share of the rollout's wall time spent in steps with at most FEW_IN_FLIGHT running."""
+    if len(trace) < 2:
+        return 0.0
+    t = np.array([x[0] for x in trace])
+    b = np.array([x[1] for x in trace])
+    dt = np.diff(t)
+    return float(dt[b[:-1] <= FEW_IN_FLIGHT].sum() / dt.sum())
+
+
+def summarise(runs: list[dict]) -> dict:
+    """One configuration's rounds of one workload: medians, and per round what the
+    simulator's validation replays."""
+    out = {
+        "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+        "wall_s": statistics.median(r["wall_s"] for r in runs),
+        "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
+        # Each repeat, for the simulator's validation: its wall time, and (where lengths
+        # vary) every request's output length; the conditional acceptance per position.
+        "wall_s_runs": [r["wall_s"] for r in runs],
+        "s_per_token_runs": [r["wall_s"] / r["tokens"] for r in runs],
+        "makespan_s_runs": [max(r["finished_s"]) for r in runs],
+        "others_cpu_share": [r.get("others_cpu_share") for r in runs],
+        "tokens_after_eos": statistics.median(r["tokens_after_eos"] for r in runs),
+    }
+    if all("mal_before_eos" in r for r in runs):
+        out["mal_before_eos"] = statistics.median(r["mal_before_eos"] for r in runs)
+    if any(len({n for group in r["lengths"] for n in group}) > 1 for r in runs):
+        out["lengths_runs"] = [[n for group in r["lengths"] for n in group] for r in runs]
+    drafted = [r["per_position_acceptance"] for r in runs if r["per_position_acceptance"]]
+    if drafted and runs[-1]["mean_acceptance_length"] > 1.0:
+        out["conditional_acceptance"] = mean_conditional(drafted)
+    if "group" in runs[-1]:
+        for source in runs[-1]["group"]:
+            for what in ("draft_tokens", "accepted_tokens"):
+                out[f"{source}_{what}"] = statistics.median(r["group"][source][what] for r in runs)
+    if "trace" in runs[-1]:
+        out["few_in_flight_share"] = statistics.median(
+            few_in_flight_share(r["trace"]) for r in runs
+        )
+    out["makespan_s"] = statistics.median(max(r["finished_s"]) for r in runs)
+    out["tail_s"] = statistics.median(tail_phase_s(r["finished_s"], TAIL_FRACTION) for r in runs)
+    return out
+
+
+def with_speedups(section: str, per: dict[str, dict]) -> dict[str, dict]:
+    """Each configuration's speedup over no speculation, paired by round, with its 95%
+    interval: in makespan on the tail shape, in time per generated token elsewhere."""
+    runs = "makespan_s_runs" if section == "tail" else "s_per_token_runs"
+    base = per["no spec"][runs]
+    for v in per.values():
+        v["speedup"] = speedup(base, v[runs]).to_dict()
+    return per
+
+
+def _x(v: dict) -> str:
+    """A configuration's speedup over no speculation with its interval, and a verdict
+    only when the interval excludes 1.0."""
+    sp = v["speedup"]
+    verdict = {"gain": ", gain", "loss": ", loss"}.get(sp["verdict"], "")
+    return f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}]{verdict}"
+
+
+def _ratio_table(per_key: dict, keys: list[str], header: list[str]) -> list[str]:
+    names = list(per_key[keys[0]])
+    lines = ["| config | " + " | ".join(header) + " |", "|---|" + "---|" * len(keys)]
+    for n in names:
+        cells = []
+        for key in keys:
+            cells.append(f"{per_key[key][n]['tokens_per_s']:.0f} ({_x(per_key[key][n])})")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _fixed_summary(fixed: dict, keys: list[str]) -> str:
+    """Ours against the best fixed k, and k = 0 with the draft loaded against no
+    speculation, at each B: the parts of it that this run measured."""
+    names = set(fixed[keys[0]])
+    fixed_k = sorted(n for n in names if n.startswith("k=") and n[2] != "0")
+    parts = []
+    if "ours" in names and fixed_k:
+        parts.append(
+            "Ours vs the best fixed k: "
+            + ", ".join(
+                f"B={k.split('/')[1]}: "
+                f"{fixed[k]['ours']['tokens_per_s'] / max(fixed[k][n]['tokens_per_s'] for n in fixed_k):.2f}x"
+                for k in keys
+            )
+            + "."
+        )
+    k0 = [n for n in ("k=0 (draft loaded)", "k=0, vLLM as shipped") if n in names]
+    if k0:
+        parts.append(
+            f"{' / '.join(k0)} vs no speculation: "
+            + ", ".join(
+                f"B={k.split('/')[1]}: " + " / ".join(_x(fixed[k][n]) for n in k0) for k in keys
+            )
+            + "."
+        )
+    return " ".join(parts)
+
+
+def report(r: dict) -> str:
+    a = r["args"]
+    res = r["results"]
+    lines = [
+        f"Measured with `{r.get('command', 'python benchmarks/rollout_throughput.py')}` on "
+        f"{r['hardware']}, "
+        f"k_max = {r['k_max']}, "
+        + (
+            f"head `{Path(a['head']).name}`"
+            if a.get("head")
+            else "default head (reduced vocabulary)"
+        )
+        + ", profiled C_peak = "
+        f"{r['c_peak']:.0f} tokens. Under the measurement protocol (`grpo_specdec/measure.py`): "
+        "per workload every configuration warmed on it, then the median of "
+        f"{a['repeats']} rounds, each in a seeded shuffled order (orders in the JSON); every "
+        "configuration in one run, each from its own estimator and an empty prefix cache. "
+        "Generated tokens/s (speedup over no speculation, paired by round, with its 95% "
+        "bootstrap interval; gain or loss only where the interval excludes 1.0). "
+        + r.get("machine", {}).get("note", "Others' CPU share: not measured.")
+        + f" During the timed runs others took at most {_busiest(r)}.",
+        *(["", a["note"]] if a.get("note") else []),
+    ]
+    fixed = res.get("fixed", {})
+    temps = sorted({k.split("/")[0] for k in fixed}, key=float)
+    for temp in temps:
+        keys = sorted(
+            (k for k in fixed if k.split("/")[0] == temp), key=lambda k: int(k.split("/")[1])
+        )
+        bs = [k.split("/")[1] for k in keys]
+        label = "greedy" if float(temp) == 0 else f"T={temp}"
+        lines += [
+            "",
+            f"### Fixed concurrency, {label}: {a['tokens']} tokens per request, arithmetic questions",
+            "",
+            *_ratio_table(fixed, keys, [f"B={b}" for b in bs]),
+            "",
+        ]
+        lines.append(_fixed_summary(fixed, keys))
+    outside = res.get("outside", {})
+    if outside:
+        keys = sorted(outside, key=lambda k: (float(k.split("/")[0]), int(k.split("/")[1])))
+        header = [
+            f"{'greedy' if float(k.split('/')[0]) == 0 else 'T=' + k.split('/')[0]}, B={k.split('/')[1]}"
+            for k in keys
+        ]
+        lines += [
+            "",
+            f"### Prompts outside the head's task (general instructions), {a['tokens']} tokens per request",
+            "",
+            *_ratio_table(outside, keys, header),
+        ]
+    grpo = res.get("grpo", {})
+    for shape, per in grpo.items():
+        policy, n_prompts, group, cap = r["shapes"][shape]
+        what = (
+            f"the policy after {a['trained_iterations']} iterations of `grpo-specdec train` "
+            f"at lr {a['trained_lr']:g}, with its online head"
+            if policy == "trained"
+            else "SmolLM2 as shipped, the bootstrapped head"
+        )
+        few = per["ours"].get("few_in_flight_share", 0.0)
+        lines += [
+            "",
+            f"### GRPO shape `{shape}`: {n_prompts} prompts x {group} samples, T=1, max {cap} tokens; {what}",
+            "",
+            f"Share of wall time with at most {FEW_IN_FLIGHT} sequences in flight (ours): {few:.0%}.",
+            "",
+            "| config | tokens/s | vs no spec | wall s | mean acceptance length "
+            "| group tokens drafted / accepted | model tokens drafted / accepted |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for n, v in per.items():
+            lines.append(
+                f"| {n} | {v['tokens_per_s']:.0f} | {_x(v)} | "
+                f"{v['wall_s']:.1f} | {v['mal']:.2f} | {_by_source(v)} |"
+            )
+    tail = res.get("tail", {}).get("tail")
+    if tail:
+        lines += ["", *_tail_report(tail, r)]
+    tag = a["study"]
+    lines += [
+        "",
+        "Static tables used: "
+        + "; ".join(f"{p}: `{t}`" for p, t in r["static_tables"].items())
+        + " (from the profile and acceptance measured once at k_max on that policy's GRPO rollout).",
+        "",
+        *([f"![throughput vs B](../assets/{tag}_vs_b.png)"] * bool(fixed)),
+        *(
+            ["", f"![concurrency and k over each GRPO rollout](../assets/{tag}_k_trace.png)"]
+            * bool(r["traces"])
+        ),
+        *(["", f"![the tail shape's B over time](../assets/{tag}_tail_b.png)"] * bool(tail)),
+    ]
+    return "\n".join(lines)
+
+
+def _busiest(r: dict) -> str:
+    shares = [
+        s
+        for keyed in r["results"].values()
+        for per in keyed.values()
+        for v in per.values()
+        for s in v.get("others_cpu_share", [])
+        if s is not None
+    ]
+    return f"{max(shares):.1%} of the machine" if shares else "an unmeasured share"
+
+
+def _by_source(v: dict) -> str:
+    """The 'group / model tokens drafted / accepted' cells of a row (empty without them)."""
+    return " | ".join(
+        f"{v[f'{s}_draft_tokens']:.0f} / {v[f'{s}_accepted_tokens']:.0f}"
+        if f"{s}_draft_tokens" in v
+        else ""
+        for s in ("group", "model")
+    )
+
+
+def _endings(r: dict) -> str:
+    endings = r.get("tail_reference_endings", {})
+    n = sum(endings.values())
+    return f"{endings.get('eos', 0)} of {n} ended at EOS there, the rest at their own budget"
+
+
+def _tail_report(per: dict, r: dict) -> list[str]:
+    base, tail = per["no spec"], r["tail_shape"]
+    fixed = [n for n in per if n.startswith(("k=", "sampled k=")) and not n.startswith("k=0")]
+    best_fixed = min(fixed, key=lambda n: per[n]["makespan_s"], default=None)
+    lines = [
+        f"### Tail shape: {tail['prompts']} mixed-level prompts x {tail['group']} samples, T=1, "
+        f"each request its own budget under a {tail['cap']} cap (`benchmarks/tail_shape.py`)",
+        "",
+        "Each request makes exactly the tokens a seeded rollout with no speculation gave it "
+        f"({_endings(r)}), EOS then ignored, so every configuration does the same work "
+        "(speculative engines on CPU cannot follow per-request seeds: left to chance, the "
+        "longest answers, which set the makespan, differ from run to run). "
+        "Makespan: the rollout's wall time from its first scheduling to its last token; tail "
+        f"phase: from the moment {1 - TAIL_FRACTION:.0%} of the requests had finished to the "
+        "last. Speedups are no speculation's time over the configuration's (higher is better).",
+        "",
+        "'after EOS': the tokens a configuration made past a request's first EOS (text a "
+        "real rollout never makes, which its mean acceptance length counts too); 'MAL before "
+        "EOS': the mean acceptance length of the verifications that began before it.",
+        "",
+        "| config | makespan s | speedup | tail phase s | tail speedup | tokens/s | mean acceptance length "
+        "| MAL before EOS | after EOS | group tokens drafted / accepted | model tokens drafted / accepted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, v in per.items():
+        after_eos, before_eos = v.get("tokens_after_eos"), v.get("mal_before_eos")
+        lines.append(
+            f"| {n} | {v['makespan_s']:.1f} | {_x(v)} | "
+            f"{v['tail_s']:.1f} | {base['tail_s'] / v['tail_s']:.2f}x | {v['tokens_per_s']:.0f} | "
+            f"{v['mal']:.2f} | {'-' if before_eos is None else f'{before_eos:.2f}'} | "
+            f"{'-' if after_eos is None else f'{after_eos:.0f}'} | {_by_source(v)} |"
+        )
+    rivals = [best_fixed, "static table", "paper rule", *VLLM_EXAMPLE_TABLES_NAMES]
+    for ours in ("ours", "sampled ours", "ours + group", "sampled ours + group"):
+        if ours in per:
+            lines += [
+                "",
+                f"{ours} vs "
+                + ", ".join(
+                    f"{n}: {per[n]['makespan_s'] / per[ours]['makespan_s']:.2f}x"
+                    for n in rivals
+                    if n in per
+                )
+                + f" in makespan (best fixed k: {best_fixed}).",
+            ]
+    return lines
+
+
+def _plot_fixed(plt, fixed: dict, temps: list[str], path: Path) -> None:
+    fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.5), squeeze=False)
+    for ax, temp in zip(axes[0], temps, strict=True):
+        keys = sorted(
+            (k for k in fixed if k.split("/")[0] == temp), key=lambda k: int(k.split("/")[1])
+        )
+        bs = [int(k.split("/")[1]) for k in keys]
+        for n in fixed[keys[0]]:
+            style = "-o" if n in ("ours", "no spec", "paper rule", "static table") else ":."
+            ax.plot(
+                bs,
+                [fixed[k][n]["tokens_per_s"] for k in keys],
+                style,
+                label=n,
+                lw=2 if n == "ours" else 1,
+            )
+        ax.set(
+            xscale="log",
+            xlabel="concurrency B",
+            ylabel="generated tokens/s",
+            title=f"Fixed concurrency, {'greedy' if float(temp) == 0 else 'T=' + temp}",
+        )
+        ax.set_xticks(bs, [str(b) for b in bs])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot(r: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tag = r["args"]["study"]
+    fixed = r["results"].get("fixed", {})
+    temps = sorted({k.split("/")[0] for k in fixed}, key=float)
+    if temps:
+        _plot_fixed(plt, fixed, temps, ASSETS / f"{tag}_vs_b.png")
+
+    timelines = r.get("tail_timelines", {})
+    if timelines:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        for n in ("no spec", "ours", "sampled ours", "sampled ours + group", "static table"):
+            if n in timelines:
+                times, counts = in_flight(*map(list, zip(*timelines[n], strict=True)))
+                ax.step(times, counts, where="post", label=n)
+        ax.set(
+            xlabel="seconds since the first request was scheduled",
+            ylabel="sequences in flight B",
+            title="Tail shape: B over time",
+        )
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(ASSETS / f"{tag}_tail_b.png", dpi=120)
+        plt.close(fig)
+
+    traces = {s: t for s, t in r["traces"].items() if t}
+    if not traces:
+        return
+    fig, axes = plt.subplots(len(traces), 1, figsize=(8, 2.4 * len(traces)), squeeze=False)
+    for ax, (shape, trace) in zip(axes[:, 0], traces.items(), strict=True):
+        t0 = trace[0][0]
+        t = [x[0] - t0 for x in trace]
+        ax.plot(t, [x[1] for x in trace], color="C1", label="sequences in flight B")
+        ax.axhline(FEW_IN_FLIGHT, color="C1", ls=":", lw=1)
+        ax.set_ylabel(f"{shape}\nB")
+        ax2 = ax.twinx()
+        ax2.step(t, [x[2] for x in trace], where="post", color="C0", label="k chosen")
+        ax2.set_ylabel("k")
+    axes[-1, 0].set_xlabel("seconds into the GRPO-shaped rollout (ours)")
+    fig.suptitle("Concurrency B (orange) and k chosen (blue) over each rollout")
+    fig.tight_layout()
+    fig.savefig(ASSETS / f"{tag}_k_trace.png", dpi=120)
