@@ -198,6 +198,7 @@ class Engine:
                 kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = table
         kwargs.update(extra_llm_kwargs)
         self.llm = LLM(**kwargs)
+        self._senders: dict[str, object] = {}  # role -> its trainer engine, initialised once
         if cfg.engine_process == "in_process":
             _LIVE_IN_PROCESS.add(self)
         self.tokenizer = self.llm.get_tokenizer()
@@ -369,11 +370,12 @@ class Engine:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         start = time.perf_counter()
-        sender = ShmTrainerEngine.trainer_init(
-            ShmTrainerInitInfo(rank=0, draft=role == "draft", metadata=metadata),
-            client=LLMClient(self.llm),
-            source=StateDictSource(weights),
-        )
+        sender = self._senders.get(role)
+        if sender is None:
+            sender = self._senders[role] = ShmTrainerEngine.trainer_init(
+                ShmTrainerInitInfo(rank=0, draft=role == "draft"), client=LLMClient(self.llm)
+            )
+        sender.source, sender.metadata = StateDictSource(weights), metadata
         write_s = sender.send_weights(version)
         report = self.llm.collective_rpc("grpo_last_swap_report")
         return {

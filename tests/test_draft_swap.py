@@ -178,16 +178,22 @@ def test_failure_halfway_restores_previous_weights(swap_engine, trained_head, qu
     assert swap_engine.generate(questions, GREEDY).spec == reference
 
 
-def test_policy_swap_changes_outputs_and_swaps_back(swap_engine, hf_target, questions):
+def test_policy_swap_changes_outputs_and_swaps_back(swap_engine, hf_target, questions, monkeypatch):
     original = {k: v.clone() for k, v in hf_target.state_dict().items() if k != "lm_head.weight"}
     reference = [g[0].token_ids for g in swap_engine.generate(questions, GREEDY).outputs]
     noisy = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
+    inits = []
+    init = swap_engine.llm.init_weight_transfer_engine
+    monkeypatch.setattr(
+        swap_engine.llm, "init_weight_transfer_engine", lambda *a: (inits.append(a), init(*a))
+    )
     swap_engine.swap_weights("policy", noisy, version=1)
     changed = [g[0].token_ids for g in swap_engine.generate(questions, GREEDY).outputs]
     assert changed != reference
     swap_engine.swap_weights("policy", original, version=2)
     assert [g[0].token_ids for g in swap_engine.generate(questions, GREEDY).outputs] == reference
     assert swap_engine.weight_versions()["policy"] == 2
+    assert len(inits) <= 1  # the transfer is initialised once per role, not per swap
 
 
 def test_a_swap_leaves_no_kv_of_the_old_weights_to_requests_left_in_the_engine(
