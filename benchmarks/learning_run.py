@@ -279,23 +279,25 @@ def held_out(args, data: dict) -> None:
     import tempfile
 
     evals = data.setdefault("held_out", {})
-    policies = {"start": "smollm2", "end": args.out, ROUNDED: args.out}
-    for dtype in EVAL_DTYPES:
-        for point, model in policies.items():
-            key = f"{point}/{dtype}"
-            if key in evals or (point == ROUNDED and dtype != "float32"):
-                continue
-            with tempfile.TemporaryDirectory() as tmp:
-                if point == ROUNDED:
-                    model = rounded_to_bfloat16(model, Path(tmp) / "policy")
-                report = Path(tmp) / "eval.json"
-                cli(
-                    "eval",
-                    *("--model", model, "--num", str(EVAL_EXAMPLES), "--dtype", dtype),
-                    *("--max-tokens", str(EVAL_MAX_TOKENS), "--json", str(report)),
-                )
-                evals[key] = json.loads(report.read_text())
-            SAVED.write_text(json.dumps(data, indent=1))
+    # (point, its policy, engine dtype): the start and end in each dtype, and the end's
+    # weights rounded to bfloat16 served in float32.
+    runs = [(p, m, d) for d in EVAL_DTYPES for p, m in (("start", "smollm2"), ("end", args.out))]
+    runs.append((ROUNDED, args.out, "float32"))
+    for point, model, dtype in runs:
+        key = f"{point}/{dtype}"
+        if key in evals:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            if point == ROUNDED:
+                model = rounded_to_bfloat16(model, Path(tmp) / "policy")
+            report = Path(tmp) / "eval.json"
+            cli(
+                "eval",
+                *("--model", model, "--num", str(EVAL_EXAMPLES), "--dtype", dtype),
+                *("--max-tokens", str(EVAL_MAX_TOKENS), "--json", str(report)),
+            )
+            evals[key] = json.loads(report.read_text())
+        SAVED.write_text(json.dumps(data, indent=1))
 
 
 def rounded_to_bfloat16(run: str, out: Path) -> str:
