@@ -380,9 +380,9 @@ def test_vllms_http_client_pushes_a_draft_through_vllms_rl_routes(
     server, tiny_target, tiny_draft, questions
 ):
     """A trainer on vLLM's trainer API and its HTTP client (the RL routes, dev mode): the
-    `grpo_shm` trainer engine moves a head in (lossless: greedy answers unchanged; its
-    acceptance is checked in-process, test_draft_swap.py); a bad one leaves the old one
-    serving."""
+    `grpo_shm` trainer engine moves a head in: greedy answers unchanged (lossless), the
+    served engine's own acceptance counters rise once the trained head replaces a scrambled
+    one; a bad one leaves the old one serving."""
     import requests
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -398,16 +398,28 @@ def test_vllms_http_client_pushes_a_draft_through_vllms_rl_routes(
         )
         sender.send_weights(version)
 
+    def acceptance() -> float:
+        """Accepted over drafted tokens, from /metrics, over prompts sent one at a time
+        (B = 1, where the controller drafts); the greedy answers checked unchanged."""
+        counters = [f"vllm:spec_decode_num_{c}_tokens_total" for c in ("accepted", "draft")]
+        start = [_metric(server, c) for c in counters]
+        assert [a for q in questions[:4] for a in _greedy(server, tiny_target, [q])] == before
+        accepted, drafted = (_metric(server, c) - s for c, s in zip(counters, start, strict=True))
+        assert drafted > 0
+        return accepted / drafted
+
     trained = load_file(Path(tiny_draft) / "model.safetensors")
     g = torch.Generator().manual_seed(0)
     scrambled = {k: v[torch.randperm(v.shape[0], generator=g)] for k, v in trained.items()}
     versions = ServedWeights(server, API_KEY)
-    before = _greedy(server, tiny_target, questions[:8])
+    before = [a for q in questions[:4] for a in _greedy(server, tiny_target, [q])]
     push(scrambled, 80)
     assert versions.versions()["draft"] == 80
-    assert _greedy(server, tiny_target, questions[:8]) == before  # lossless either way
+    with_scrambled = acceptance()  # lossless either way
     push(trained, 81)
     assert versions.versions()["draft"] == 81
+    assert acceptance() > with_scrambled + 0.1
+    before = _greedy(server, tiny_target, questions[:8])
     missing = dict(trained)
     missing.pop(next(iter(missing)))
     with pytest.raises(requests.HTTPError):
