@@ -376,56 +376,66 @@ def test_a_served_engine_with_mixed_weights_refuses_completions_until_that_role_
     assert _greedy(server, tiny_target, questions[:4]) == before
 
 
+def _push_draft(url: str, weights: dict, version: int) -> None:
+    """A trainer on vLLM's trainer API: the `grpo_shm` trainer engine from vLLM's factory,
+    sending a head over vLLM's RL routes with its HTTP client."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from grpo_specdec.weight_transfer import HTTPClient, ShmTrainerInitInfo, StateDictSource
+
+    sender = WeightTransferTrainerFactory.trainer_init(
+        ShmTrainerInitInfo(rank=0, draft=True),
+        client=HTTPClient(url),
+        source=StateDictSource(weights),
+    )
+    sender.send_weights(version)
+
+
+def _served_acceptance(url: str, model: str, prompts: list[str]) -> tuple[float, list[str]]:
+    """(accepted over drafted tokens, from the server's /metrics; the greedy answers) over
+    `prompts` sent one at a time (B = 1, where the controller drafts)."""
+    counters = [f"vllm:spec_decode_num_{c}_tokens_total" for c in ("accepted", "draft")]
+    start = [_metric(url, c) for c in counters]
+    answers = [a for q in prompts for a in _greedy(url, model, [q])]
+    accepted, drafted = (_metric(url, c) - s for c, s in zip(counters, start, strict=True))
+    assert drafted > 0
+    return accepted / drafted, answers
+
+
+def _scrambled(weights: dict) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {k: v[torch.randperm(v.shape[0], generator=g)] for k, v in weights.items()}
+
+
 def test_vllms_http_client_pushes_a_draft_through_vllms_rl_routes(
     server, tiny_target, tiny_draft, questions
 ):
-    """A trainer on vLLM's trainer API and its HTTP client (the RL routes, dev mode): the
-    `grpo_shm` trainer engine moves a head in: greedy answers unchanged (lossless), the
-    served engine's own acceptance counters rise once the trained head replaces a scrambled
-    one; a bad one leaves the old one serving."""
+    """A trainer on vLLM's trainer API and its HTTP client (the RL routes, dev mode) moves
+    a head in: greedy answers unchanged (lossless), the served engine's own acceptance
+    rises once the trained head replaces a scrambled one; a bad one leaves the old one
+    serving."""
     import requests
     from safetensors.torch import load_file
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from grpo_specdec.served import ServedWeights
-    from grpo_specdec.weight_transfer import HTTPClient, ShmTrainerInitInfo, StateDictSource
-
-    def push(weights, version):
-        sender = WeightTransferTrainerFactory.trainer_init(
-            ShmTrainerInitInfo(rank=0, draft=True),
-            client=HTTPClient(server),
-            source=StateDictSource(weights),
-        )
-        sender.send_weights(version)
-
-    def acceptance() -> float:
-        """Accepted over drafted tokens, from /metrics, over prompts sent one at a time
-        (B = 1, where the controller drafts); the greedy answers checked unchanged."""
-        counters = [f"vllm:spec_decode_num_{c}_tokens_total" for c in ("accepted", "draft")]
-        start = [_metric(server, c) for c in counters]
-        assert [a for q in questions[:4] for a in _greedy(server, tiny_target, [q])] == before
-        accepted, drafted = (_metric(server, c) - s for c, s in zip(counters, start, strict=True))
-        assert drafted > 0
-        return accepted / drafted
 
     trained = load_file(Path(tiny_draft) / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    scrambled = {k: v[torch.randperm(v.shape[0], generator=g)] for k, v in trained.items()}
     versions = ServedWeights(server, API_KEY)
-    before = [a for q in questions[:4] for a in _greedy(server, tiny_target, [q])]
-    push(scrambled, 80)
+    _, before = _served_acceptance(server, tiny_target, questions[:4])
+    _push_draft(server, _scrambled(trained), 80)
     assert versions.versions()["draft"] == 80
-    with_scrambled = acceptance()  # lossless either way
-    push(trained, 81)
+    with_scrambled, answers = _served_acceptance(server, tiny_target, questions[:4])
+    assert answers == before  # lossless either way
+    _push_draft(server, trained, 81)
     assert versions.versions()["draft"] == 81
-    assert acceptance() > with_scrambled + 0.1
-    before = _greedy(server, tiny_target, questions[:8])
+    with_trained, answers = _served_acceptance(server, tiny_target, questions[:4])
+    assert answers == before and with_trained > with_scrambled + 0.1
     missing = dict(trained)
     missing.pop(next(iter(missing)))
     with pytest.raises(requests.HTTPError):
-        push(missing, 82)
+        _push_draft(server, missing, 82)
     assert versions.versions()["draft"] == 81
-    assert _greedy(server, tiny_target, questions[:8]) == before
+    assert _served_acceptance(server, tiny_target, questions[:4])[1] == before
 
 
 def test_the_swap_route_refuses_to_start_without_an_api_key(monkeypatch):
@@ -459,6 +469,15 @@ def test_trl_vllm_serve_runs_the_plugin(tiny_target, tiny_draft, job_profile, qu
         assert len(out.choices) == 16
         with urllib.request.urlopen(f"{url}/metrics") as resp:
             assert "vllm:grpo_specdec_num_spec_tokens_per_step_count" in resp.read().decode()
+        # A TRL trainer pushes the draft as it pushes its policy, through vLLM's RL routes
+        # (TRL's server turns them on): here a scrambled head, whose drafts the served
+        # engine then rejects, with the greedy answers unchanged.
+        from safetensors.torch import load_file
+
+        loaded, before = _served_acceptance(url, tiny_target, questions[:4])
+        _push_draft(url, _scrambled(load_file(Path(tiny_draft) / "model.safetensors")), 1)
+        scrambled, answers = _served_acceptance(url, tiny_target, questions[:4])
+        assert answers == before and scrambled < loaded - 0.1
     finally:
         stop_server(proc)
     assert (
