@@ -114,7 +114,8 @@ def run(engine: Engine, prompts: list[str], sampling: SamplingSettings, per_requ
         "tokens": res.num_generated_tokens,
         "tokens_after_eos": tokens_after_eos(answers, engine.tokenizer.eos_token_id),
         "mean_acceptance_length": res.spec["mean_acceptance_length"],
-        **({"mal_before_eos": 1.0} if not res.spec["drafts"] else {}),  # nothing verified
+        # nothing accepted at all (or nothing drafted): nothing accepted before EOS either
+        **({"mal_before_eos": 1.0} if res.spec["mean_acceptance_length"] == 1.0 else {}),
         "per_position_acceptance": res.spec.get("per_position_acceptance", []),
         "scheduled_s": res.scheduled_s,
         "finished_s": res.finished_s,

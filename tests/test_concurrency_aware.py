@@ -9,7 +9,13 @@ import pytest
 
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import tiny_engine_config
-from vllm_plugin.controller import FixedPolicy, HingeLatency, LatencyModel, LinearCost
+from vllm_plugin.controller import (
+    FixedPolicy,
+    GoodputPolicy,
+    HingeLatency,
+    LatencyModel,
+    LinearCost,
+)
 from vllm_plugin.scheduler import K_METRIC, k_histogram, recent
 
 # A roofline whose knee sits at 8 tokens: deep drafts pay at B=1, none at B>=16.
@@ -60,26 +66,35 @@ def test_no_drafts_at_high_concurrency_and_deep_drafts_alone(aware_engine, quest
 
 def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, questions):
     scheduler = aware_engine.scheduler()
+    started_with = scheduler.policy, scheduler.acceptance
+    # Its own estimator, as each benchmark configuration starts: what earlier tests' drafts
+    # taught the engine's (the tiny head alone on a prompt is accepted far more often on
+    # some machines than on others) does not decide the first crowded steps.
+    fresh = scheduler.new_acceptance()
+    scheduler.set_policy(GoodputPolicy(LATENCY, fresh, aware_engine.cfg.max_num_seqs), fresh)
     mark = scheduler.steps_scheduled
     hist_before = _k_counts()
     prompts = (questions * 2)[:24]
     # Requests of very different lengths, so concurrency decays within one batch.
-    out = aware_engine.llm.generate(
-        [{"prompt_token_ids": aware_engine.encode(p)} for p in prompts],
-        [_sampling(4 + 3 * i) for i in range(len(prompts))],
-        use_tqdm=False,
-    )
+    try:
+        out = aware_engine.llm.generate(
+            [{"prompt_token_ids": aware_engine.encode(p)} for p in prompts],
+            [_sampling(4 + 3 * i) for i in range(len(prompts))],
+            use_tqdm=False,
+        )
+    finally:
+        scheduler.set_policy(*started_with)
     trace = scheduler.steps_since(mark)
     by_batch = {}
     for _, b, k, _ in trace:
         by_batch.setdefault(b, set()).add(k)
-    assert max(by_batch) >= 16 and min(by_batch) == 1
-    # At B >= 16 this head's acceptance (~0.35 here) does not pay for a draft: the controller
-    # drafts there only to probe, k = 1 for a step or two while its evidence is thin (it
+    assert max(by_batch) >= 16 and min(by_batch) <= 2  # the last two may end in one step
+    # At B >= 16 a draft pays on this roofline only at acceptance near 1: the controller
+    # drafts there at most to probe, k = 1 for a step or two while its evidence is thin (it
     # plans on an upper confidence bound), and learns from them to stop.
     crowded = [k for _, b, k, _ in trace if b >= 16]
     assert max(crowded) <= 1 and sum(k > 0 for k in crowded) <= len(crowded) // 4
-    assert min(by_batch[1]) >= 2
+    assert min(by_batch[min(by_batch)]) >= 2
     ks = [k for _, _, k, _ in trace]
     assert ks[-1] >= ks[0]  # deeper drafts as the batch drains
     hist_after = _k_counts()

@@ -3,7 +3,7 @@ full, and each benchmarked configuration runs from its own state (no vLLM engine
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from types import SimpleNamespace
 
 from benchmarks.rollout_throughput import Config, run_config
@@ -20,6 +20,7 @@ class FakeScheduler(ConcurrencyAwareMixin):
         self.steps_scheduled = 1000
         self.acceptance = AcceptanceEstimator(4)
         self.running = []  # vLLM's running requests: none here
+        self.verified_before_eos = Counter()
         self.set_policy(FixedPolicy(0))
 
 
