@@ -224,8 +224,9 @@ def write_study(study: str, title: str, results: str, script: str, today: str = 
 
 
 def _between(text: str, marker: str) -> str:
-    """The text between `<!-- marker -->` and `<!-- /marker -->`, stripped ("" if absent)."""
-    match = re.search(rf"<!-- {marker} -->\n(.*?)\n?<!-- /{marker} -->", text, re.S)
+    """The text between `<!-- marker -->` and `<!-- /marker -->` (or the end of the file,
+    where a hand edit lost the closing marker), stripped ("" if absent)."""
+    match = re.search(rf"<!-- {marker} -->\n(.*?)(?:\n?<!-- /{marker} -->|\Z)", text, re.S)
     return match.group(1).strip() if match else ""
 
 

@@ -197,3 +197,11 @@ def test_the_learning_run_s_reward_slope_has_an_interval_that_can_exclude_zero()
     flat = [0.1 + (0.05 if i % 3 == 0 else -0.02) for i in range(20)]
     _, low, high = _slope(flat)
     assert low < 0 < high
+
+
+def test_notes_whose_closing_marker_was_lost_by_hand_are_kept(studies):
+    path = write_study("s", "Study", "| k=1 | 1.20x |", "s.py", today="2026-11-30")
+    path.write_text(path.read_text() + f"\n<!-- reading -->\n{NOTES}\n")  # no closing marker
+    write_study("s", "Study", "| k=1 | 1.10x |", "s.py", today="2026-12-01")
+    text = path.read_text()
+    assert NOTES in text and text.rstrip().endswith("<!-- /reading -->")
