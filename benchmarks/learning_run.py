@@ -568,8 +568,9 @@ def plot(data: dict) -> None:
     axes[2].set(title="the online head", xlabel="iteration")
     axes[2].legend(fontsize=7)
     for config in ("ours, online head", "ours, initial head", "fixed k = 2, online head"):
+        # The rollouts as a rollout makes them (natural EOS) where the point has them.
         pts = [
-            (p["iteration"], p["configs"][config])
+            (p["iteration"], p.get("natural", p)["configs"][config])
             for name, p in data.get("points", {}).items()
             if name != END_AT_T1
         ]
@@ -586,7 +587,7 @@ def plot(data: dict) -> None:
                 label=config,
             )
     axes[3].axhline(1.0, color="grey", lw=0.8)
-    axes[3].set(title="tail-shape speedup vs no speculation", xlabel="iteration")
+    axes[3].set(title="speedup vs no spec., natural EOS", xlabel="iteration")
     if data.get("points"):
         axes[3].legend(fontsize=7)
     fig.tight_layout()
