@@ -348,6 +348,32 @@ def job_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def bare_scheduler(requests: dict | None = None):
+    """The plugin's scheduler bookkeeping (`ConcurrencyAwareMixin`) over a stub of vLLM's
+    Scheduler, with the state `_init_controller` gives it and vLLM's `requests`: for
+    tests of what it counts, without an engine."""
+    from collections import Counter
+
+    from vllm_plugin.controller import AcceptanceEstimator
+    from vllm_plugin.scheduler import ConcurrencyAwareMixin
+
+    class Base:
+        def update_draft_token_ids(self, draft_token_ids):
+            pass
+
+        def make_spec_decoding_stats(self, stats, *args):
+            return stats
+
+    class Scheduler(ConcurrencyAwareMixin, Base):
+        pass
+
+    scheduler = Scheduler()
+    scheduler.acceptance, scheduler.draft_sources = AcceptanceEstimator(4), {}
+    scheduler.verified_by_source, scheduler.verified_before_eos = Counter(), Counter()
+    scheduler.requests = requests or {}
+    return scheduler
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for servers a test starts)."""
     import socket

@@ -8,7 +8,7 @@ from collections import Counter, deque
 import pytest
 
 from grpo_specdec.engine import Engine, SamplingSettings
-from tests.conftest import tiny_engine_config
+from tests.conftest import bare_scheduler, tiny_engine_config
 from vllm_plugin.controller import (
     FixedPolicy,
     GoodputPolicy,
@@ -153,29 +153,19 @@ def test_verifications_before_each_request_s_first_eos_are_counted_in_the_real_e
 def test_verifications_past_an_ignored_eos_are_left_out_of_the_before_eos_counts():
     from types import SimpleNamespace
 
-    from vllm_plugin.controller import AcceptanceEstimator
     from vllm_plugin.group_drafter import MODEL
-    from vllm_plugin.scheduler import ConcurrencyAwareMixin
-
-    class Base:
-        def make_spec_decoding_stats(self, stats, *args):
-            return stats
-
-    class Scheduler(ConcurrencyAwareMixin, Base):
-        pass
 
     def request(output_token_ids, ignore_eos=True):
         params = SimpleNamespace(ignore_eos=ignore_eos, all_stop_token_ids={2, 7})
         return SimpleNamespace(sampling_params=params, output_token_ids=output_token_ids)
 
-    scheduler = Scheduler()
-    scheduler.acceptance, scheduler.draft_sources = AcceptanceEstimator(4), {}
-    scheduler.verified_by_source, scheduler.verified_before_eos = Counter(), Counter()
-    scheduler.requests = {
-        "before": request([5, 6]),
-        "past": request([5, 7, 6]),  # 7: a stop token of the generation config
-        "stopping": request([5, 6], ignore_eos=False),
-    }
+    scheduler = bare_scheduler(
+        {
+            "before": request([5, 6]),
+            "past": request([5, 7, 6]),  # 7: a stop token of the generation config
+            "stopping": request([5, 6], ignore_eos=False),
+        }
+    )
     scheduler.make_spec_decoding_stats(None, 3, 2, None, "before")
     scheduler.make_spec_decoding_stats(None, 3, 1, None, "past")
     scheduler.make_spec_decoding_stats(None, 3, 3, None, "stopping")

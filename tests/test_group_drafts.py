@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import tracemalloc
-from collections import Counter
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ import torch
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import (
     assert_same_distribution,
+    bare_scheduler,
     flattened_head,
     group_controller,
     lossless_sampling,
@@ -346,23 +346,7 @@ def test_the_scheduler_prices_k_on_the_model_drafts_as_used():
     own outcomes never reach the model's estimate."""
     from vllm.v1.outputs import DraftTokenIds
 
-    from vllm_plugin.controller import AcceptanceEstimator
-    from vllm_plugin.scheduler import ConcurrencyAwareMixin
-
-    class Base:
-        def update_draft_token_ids(self, draft_token_ids):
-            pass
-
-        def make_spec_decoding_stats(self, stats, *args):
-            return stats
-
-    class Scheduler(ConcurrencyAwareMixin, Base):
-        pass
-
-    scheduler = Scheduler()
-    scheduler.acceptance = AcceptanceEstimator(4)
-    scheduler.draft_sources, scheduler.verified_by_source = {}, Counter()
-    scheduler.requests, scheduler.verified_before_eos = {}, Counter()
+    scheduler = bare_scheduler()
     drafts = DraftTokenIds(["a", "b"], [[1, 2], [3, 4, 5, 6]])
     drafts.grpo_sources, drafts.grpo_model_discarded = [GROUP, MODEL], [4, 0]
     scheduler.update_draft_token_ids(drafts)
