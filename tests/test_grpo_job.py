@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from grpo_specdec.config import load_yaml
+from grpo_specdec.grpo.core import group_advantages
 from grpo_specdec.job.batches import batch_at
 from grpo_specdec.job.config import TrainConfig
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
@@ -81,6 +82,7 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
             *job_overrides(tiny_target, tiny_draft, job_profile, out, 2),
             "rollout.controller.group.enabled=true",
             "rollout.length_budget.median=16",
+            "rollout.max_gen_batches=2",
         ],
     )
     job = Job(cfg)
@@ -88,6 +90,18 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         job.run()
         records = job_records(out)
         assert [r["iteration"] for r in records] == [1, 2]
+        # Dynamic sampling: a second batch where the first had too few groups with reward
+        # variance (the tiny policy rarely earns a reward), the policy trained on at most a
+        # batch of them, the cursor past every prompt rolled out.
+        assert any(r["gen_batches"] == 2 for r in records)
+        prompts, group = cfg.rollout.prompts_per_iteration, cfg.rollout.group_size
+        for r in records:
+            first = torch.tensor(r["rewards"][: prompts * group])
+            first_batch_signal = int(group_advantages(first.view(prompts, group))[1].sum())
+            assert r["gen_batches"] == (1 if first_batch_signal == prompts else 2)
+            assert len(r["rewards"]) == r["gen_batches"] * prompts * group
+            assert r["policy_sequences"] == r["informative_groups"] * group <= prompts * group
+        assert job.cursor == sum(r["gen_batches"] for r in records) * prompts
         # Group drafts: both sources drafted, the group's tokens were accepted, and the
         # engine keeps the rollouts it made. (The tiny head's own drafts at T = 1 are few
         # here, ~12 tokens, once the controller prices them against the group's: whether

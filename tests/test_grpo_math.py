@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from grpo_specdec.grpo.core import aggregate, group_advantages, grpo_loss, k3_kl
+from grpo_specdec.grpo.core import (
+    aggregate,
+    first_informative,
+    group_advantages,
+    grpo_loss,
+    k3_kl,
+)
 from grpo_specdec.tasks.datasets import JsonlSource
 from grpo_specdec.tasks.rewards import extract_answer, reward
 
@@ -22,6 +28,15 @@ def test_group_advantages_by_hand():
     assert adv[2].tolist() == pytest.approx([-0.75 / std] * 3 + [2.25 / std])
     assert informative.tolist() == [True, False, True]
     assert adv[1].abs().max() == 0
+
+
+def test_dynamic_sampling_keeps_the_first_informative_groups_up_to_the_batch_size():
+    informative = torch.tensor([False, True, True, False, True, True, False])
+    assert first_informative(informative, 3).tolist() == [
+        False, True, True, False, True, False, False
+    ]  # fmt: skip
+    assert first_informative(informative, 8).tolist() == informative.tolist()
+    assert not first_informative(informative, 0).any()
 
 
 def test_clipped_surrogate_by_hand():

@@ -271,6 +271,28 @@ def test_iteration_record_carries_sync_times_and_the_draft_lag():
     assert "draft_seconds" not in record
 
 
+def test_rollouts_made_one_after_another_add_their_times_and_keep_the_last_history():
+    from grpo_specdec.engine import SpecCounters
+    from grpo_specdec.job.rollout_worker import Rollout
+
+    def rollout(prompt: int, wall_s: float, finished_s: list[float], history: int) -> Rollout:
+        spec = SpecCounters().metrics() | {"drafts": 2, "draft_tokens": 6, "accepted_tokens": 3}
+        sources = {"model_draft_tokens": 6, "group_history_positions": history}
+        return Rollout(
+            [[prompt]], [[[7, 8], [9]]], [["a", "b"]], spec, wall_s, {2: 2}, sources, finished_s
+        )
+
+    first, second = rollout(1, 2.0, [1.0, 2.0], 10), rollout(2, 3.0, [0.5, 3.0], 25)
+    chained = Rollout.chain([first, second])
+    assert chained.prompt_ids == [[1], [2]] and chained.wall_s == 5.0
+    assert chained.finished_s == [1.0, 2.0, 2.5, 5.0]
+    assert chained.k_steps == {2: 4} and chained.spec["draft_tokens"] == 12
+    # counts add; the group drafter's history is what it holds after the last rollout
+    assert chained.sources == {"model_draft_tokens": 12, "group_history_positions": 25}
+    side_by_side = Rollout.gather([first, second])
+    assert side_by_side.wall_s == 3.0 and side_by_side.sources["group_history_positions"] == 35
+
+
 def test_an_engine_the_driver_starts_logs_to_the_file_too(tmp_path):
     """vLLM reconfigures its logging from the environment when an engine starts in this
     process (the job's latency profile): the routing must survive that."""

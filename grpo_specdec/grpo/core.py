@@ -27,6 +27,13 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Te
     return (rewards - mean) / (std + eps), informative
 
 
+def first_informative(informative: torch.Tensor, n: int) -> torch.Tensor:
+    """The flags of the first `n` informative groups only: dynamic sampling's refilled batch
+    trimmed to the update's size, as DAPO does, so that the step size does not depend on how
+    many batches it took."""
+    return informative & (informative.cumsum(0) <= n)
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1 >= 0."""
     delta = ref_logp - logp

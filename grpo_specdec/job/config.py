@@ -80,6 +80,14 @@ class RolloutSettings(StrictModel):
     length_budget: LengthBudget | None = Field(
         None, description="per-sample length budgets (a benchmark shape); none: max_tokens each"
     )
+    max_gen_batches: int = Field(
+        1,
+        ge=1,
+        description="DAPO's dynamic sampling when > 1: roll out further batches of prompts "
+        "(up to this many batches in all) until prompts_per_iteration groups have reward "
+        "variance; the policy learns from the first that many, the draft from every rollout "
+        "(verl: algorithm.filter_groups.max_num_gen_batches)",
+    )
 
     @model_validator(mode="after")
     def _budget_under_cap(self) -> RolloutSettings:

@@ -26,6 +26,26 @@ class Rollout:
     def gather(parts: list[Rollout]) -> Rollout:
         """Several engines' rollouts of consecutive prompt groups, in order, as one: the
         engines ran side by side, so the wall time is the slowest one's."""
+        finished = [x for p in parts for x in p.finished_s or ()]
+        return Rollout._joined(parts, max(p.wall_s for p in parts), finished)
+
+    @staticmethod
+    def chain(parts: list[Rollout]) -> Rollout:
+        """One engine's rollouts made one after another (dynamic sampling's batches), as
+        one: their wall times add, and each request's finish counts from the first's start."""
+        finished, start = [], 0.0
+        for part in parts:
+            finished += [start + t for t in part.finished_s or ()]
+            start += part.wall_s
+        joined = Rollout._joined(parts, start, finished)
+        if joined.sources is not None:  # the group history's size is a state, not a count
+            joined.sources |= {
+                k: v for k, v in parts[-1].sources.items() if k.startswith("group_history")
+            }
+        return joined
+
+    @staticmethod
+    def _joined(parts: list[Rollout], wall_s: float, finished_s: list[float]) -> Rollout:
         sources = None
         if parts[0].sources is not None:
             sources = {k: sum(p.sources[k] for p in parts) for k in parts[0].sources}
@@ -38,10 +58,10 @@ class Rollout:
             [x for p in parts for x in p.responses],
             [x for p in parts for x in p.texts],
             SpecCounters.combined([p.spec for p in parts]),
-            max(p.wall_s for p in parts),
+            wall_s,
             k_steps,
             sources,
-            [x for p in parts for x in p.finished_s or ()],
+            finished_s,
         )
 
     def summary(self) -> dict:

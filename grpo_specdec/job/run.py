@@ -22,7 +22,7 @@ import ray
 import torch
 
 from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, jsonl_eval_set, report_line
-from grpo_specdec.grpo.core import group_advantages
+from grpo_specdec.grpo.core import first_informative, group_advantages
 from grpo_specdec.job.actors import start_ray
 from grpo_specdec.job.batches import Batch, batch_at, prompt_source
 from grpo_specdec.job.checkpoints import Checkpointer, read_state
@@ -96,13 +96,11 @@ class Job:
     def step(self) -> dict:
         """One GRPO iteration: roll out, reward, advantages, learn, sync the engines."""
         seconds, lap = {}, _stopwatch()
-        batch = batch_at(self.source, self.cursor, self.cfg.rollout, self.cfg.seed)
-        per_engine = self.roles.roll_out(batch)
-        rollout = Rollout.gather(per_engine)
+        examples, rollout, per_engine, rewards, correct = self._roll_out()
         seconds["generation"] = lap()
 
-        rewards, correct = _rewards(batch.examples, rollout.texts, self.cfg.reward.format_bonus)
         advantages, informative = group_advantages(rewards)
+        informative = first_informative(informative, self.cfg.rollout.prompts_per_iteration)
         learning = self.roles.learn(
             PolicyBatch.of(rollout, advantages, informative, self.cfg.rollout.temperature),
             self.draft_version,
@@ -117,9 +115,10 @@ class Job:
         seconds["sync"] = lap()
 
         versions = self.roles.weights.versions()
-        self.cursor += len(batch.examples)
+        batches = len(examples) // self.cfg.rollout.prompts_per_iteration
+        self.cursor += len(examples)
         self.iteration += 1
-        return iteration_record(
+        record = iteration_record(
             self.iteration,
             rewards,
             correct,
@@ -132,6 +131,26 @@ class Job:
             {**draft_stats, **draft_facts},
             sync,
         )
+        return record | {"gen_batches": batches}
+
+    def _roll_out(self) -> tuple[list, Rollout, list[Rollout], torch.Tensor, torch.Tensor]:
+        """This iteration's batch rolled out, and with rollout.max_gen_batches > 1 (DAPO's
+        dynamic sampling) the next ones too until prompts_per_iteration groups have reward
+        variance. -> (examples, their rollout, each engine's, rewards, correct), in order."""
+        cfg = self.cfg.rollout
+        examples, rounds, gathered, rewards, correct = [], [], [], [], []
+        while len(rounds) < cfg.max_gen_batches:
+            batch = batch_at(self.source, self.cursor + len(examples), cfg, self.cfg.seed)
+            rounds.append(self.roles.roll_out(batch))
+            gathered.append(Rollout.gather(rounds[-1]))
+            scores = _rewards(batch.examples, gathered[-1].texts, self.cfg.reward.format_bonus)
+            examples += batch.examples
+            rewards.append(scores[0])
+            correct.append(scores[1])
+            if group_advantages(torch.cat(rewards))[1].sum() >= cfg.prompts_per_iteration:
+                break
+        per_engine = [Rollout.chain(list(parts)) for parts in zip(*rounds, strict=True)]
+        return examples, Rollout.chain(gathered), per_engine, torch.cat(rewards), torch.cat(correct)
 
     def evaluate(self) -> dict:
         """Held-out accuracy of the policy the engines serve now (`grpo_specdec/evaluate.py`),
