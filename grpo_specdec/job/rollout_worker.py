@@ -27,7 +27,7 @@ class Rollout:
         """Several engines' rollouts of consecutive prompt groups, in order, as one: the
         engines ran side by side, so the wall time is the slowest one's."""
         finished = [x for p in parts for x in p.finished_s or ()]
-        return Rollout._joined(parts, max(p.wall_s for p in parts), finished)
+        return Rollout.joined(parts, max(p.wall_s for p in parts), finished)
 
     @staticmethod
     def chain(parts: list[Rollout]) -> Rollout:
@@ -37,7 +37,7 @@ class Rollout:
         for part in parts:
             finished += [start + t for t in part.finished_s or ()]
             start += part.wall_s
-        joined = Rollout._joined(parts, start, finished)
+        joined = Rollout.joined(parts, start, finished)
         if joined.sources is not None:  # the group history's size is a state, not a count
             joined.sources |= {
                 k: v for k, v in parts[-1].sources.items() if k.startswith("group_history")
@@ -45,7 +45,7 @@ class Rollout:
         return joined
 
     @staticmethod
-    def _joined(parts: list[Rollout], wall_s: float, finished_s: list[float]) -> Rollout:
+    def joined(parts: list[Rollout], wall_s: float, finished_s: list[float]) -> Rollout:
         sources = None
         if parts[0].sources is not None:
             sources = {k: sum(p.sources[k] for p in parts) for k in parts[0].sources}
