@@ -27,7 +27,7 @@ class Rollout:
         """Several engines' rollouts of consecutive prompt groups, in order, as one: the
         engines ran side by side, so the wall time is the slowest one's."""
         finished = [x for p in parts for x in p.finished_s or ()]
-        return Rollout.joined(parts, max(p.wall_s for p in parts), finished)
+        return _joined(parts, max(p.wall_s for p in parts), finished)
 
     @staticmethod
     def chain(parts: list[Rollout]) -> Rollout:
@@ -37,32 +37,12 @@ class Rollout:
         for part in parts:
             finished += [start + t for t in part.finished_s or ()]
             start += part.wall_s
-        joined = Rollout.joined(parts, start, finished)
+        joined = _joined(parts, start, finished)
         if joined.sources is not None:  # the group history's size is a state, not a count
             joined.sources |= {
                 k: v for k, v in parts[-1].sources.items() if k.startswith("group_history")
             }
         return joined
-
-    @staticmethod
-    def joined(parts: list[Rollout], wall_s: float, finished_s: list[float]) -> Rollout:
-        sources = None
-        if parts[0].sources is not None:
-            sources = {k: sum(p.sources[k] for p in parts) for k in parts[0].sources}
-        k_steps: dict[int, int] = {}
-        for part in parts:
-            for k, n in part.k_steps.items():
-                k_steps[k] = k_steps.get(k, 0) + n
-        return Rollout(
-            [x for p in parts for x in p.prompt_ids],
-            [x for p in parts for x in p.responses],
-            [x for p in parts for x in p.texts],
-            SpecCounters.combined([p.spec for p in parts]),
-            wall_s,
-            k_steps,
-            sources,
-            finished_s,
-        )
 
     def summary(self) -> dict:
         """This rollout's figures for the metrics (one engine's, in a multi-engine job)."""
@@ -75,6 +55,28 @@ class Rollout:
             "mean_acceptance_length": self.spec["mean_acceptance_length"],
             "k_steps": {str(k): n for k, n in sorted(self.k_steps.items())},
         }
+
+
+def _joined(parts: list[Rollout], wall_s: float, finished_s: list[float]) -> Rollout:
+    """Rollouts as one, in order: their counts added, with the wall and finish times the
+    caller worked out for how they ran."""
+    sources = None
+    if parts[0].sources is not None:
+        sources = {k: sum(p.sources[k] for p in parts) for k in parts[0].sources}
+    k_steps: dict[int, int] = {}
+    for part in parts:
+        for k, n in part.k_steps.items():
+            k_steps[k] = k_steps.get(k, 0) + n
+    return Rollout(
+        [x for p in parts for x in p.prompt_ids],
+        [x for p in parts for x in p.responses],
+        [x for p in parts for x in p.texts],
+        SpecCounters.combined([p.spec for p in parts]),
+        wall_s,
+        k_steps,
+        sources,
+        finished_s,
+    )
 
 
 class RolloutWorker:
