@@ -36,6 +36,7 @@ from grpo_specdec.simulate import (
     Replay,
     UnprofiledCosts,
     Workload,
+    drawn_replay,
     lengths_from_trace,
     replay,
 )
@@ -57,6 +58,7 @@ CALIBRATION_RUN, CALIBRATION_SHAPE = "rollout_throughput_group", "untrained"
 # The profiler times 16 steps after 4 warm-up steps at each k = 0..k_max: its contexts run
 # from the prompt to prompt + 20 (k + 1) tokens, 35 beyond the prompt on average at k_max 5.
 PROFILE_CONTEXT_BEYOND_PROMPT = 35.0
+DRAWS = 16  # replays per repeat of a run with its own profiles, tokens drawn (`drawn_replay`)
 
 
 @dataclass
@@ -317,10 +319,14 @@ def current_configs(run: str, data: dict) -> list[Repeats]:
     return rows
 
 
-def predict_repeats(r: Repeats, data: dict, conditional: np.ndarray) -> np.ndarray:
+def predict_repeats(
+    r: Repeats, data: dict, conditional: np.ndarray, draws: int = DRAWS
+) -> np.ndarray:
     """Each repeat's predicted makespan, from the profile of the configuration's drafting
-    and the costs that profile timed. Each step is priced by the profile's timed steps
-    (interpolated), not by the latency model the controller decides with."""
+    and the costs that profile timed: the mean of `draws` replays with tokens drawn from
+    `conditional` (0: one replay of the expected tokens). Each step is priced by the
+    profile's timed steps (interpolated), not by the latency model the controller decides
+    with."""
     profile = data["profiles"]["probabilistic" if r.config.startswith("sampled") else "greedy"]
     latency = profile_latency(profile)
     costs = UnprofiledCosts(**(profile.get("unprofiled") or {}))
@@ -330,9 +336,13 @@ def predict_repeats(r: Repeats, data: dict, conditional: np.ndarray) -> np.ndarr
         MeasuredSteps.from_profile(profile),
         less_draft=latency.draft if cost.draft == NO_COST else NO_COST,
     )
+    args = (cost, conditional)
+    later = (policy, costs, shipped_k0, steps)
     return np.array(
         [
-            replay(cost, conditional, w, policy, costs, shipped_k0, steps).makespan_s
+            (
+                drawn_replay(draws, *args, w, *later) if draws else replay(*args, w, *later)
+            ).makespan_s
             for w in r.workloads
         ]
     )
@@ -351,6 +361,7 @@ def current_report(runs: dict[str, dict]) -> str:
     for run, data in runs.items():
         configs = current_configs(run, data)
         predicted = {id(r): predict_repeats(r, data, r.workload_acceptance) for r in configs}
+        expected = {id(r): predict_repeats(r, data, r.workload_acceptance, 0) for r in configs}
         base = {(r.section, r.key): r for r in configs if r.config == "no spec"}
         for r in configs:
             measured, at_k_max = float(np.median(r.wall_s)), float(np.median(predicted[id(r)]))
@@ -359,9 +370,14 @@ def current_report(runs: dict[str, dict]) -> str:
             plain = base[(r.section, r.key)]
             speedup = float(np.median(np.divide(plain.wall_s, r.wall_s)))
             modelled = float(np.median(predicted[id(plain)] / predicted[id(r)]))
+            by_expectation = float(np.median(expected[id(plain)] / expected[id(r)]))
             rows.append(
                 (r, measured, at_k_max / measured - 1, own / measured - 1, at_k_max)
-                + ((speedup, modelled, modelled / speedup - 1) if r is not plain else (None,) * 3)
+                + (
+                    (speedup, modelled, modelled / speedup - 1, by_expectation / speedup - 1)
+                    if r is not plain
+                    else (None,) * 4
+                )
             )
     spread = np.array([r.spread for r, *_ in rows])
     created = {
@@ -382,7 +398,9 @@ def current_report(runs: dict[str, dict]) -> str:
         "the latency model the controller decides with; and from the acceptance per "
         "position the engine measured on the same workload with the same drafting at fixed "
         "k = k_max ('workload acceptance'), or on this configuration's own drafts ('own'). Each "
-        "repeat is replayed with its own output lengths; predicted and measured are each the "
+        f"repeat is replayed {DRAWS} times with its own output lengths, each request's tokens in "
+        "a step drawn from that acceptance (`grpo_specdec.simulate.drawn_replay`), and "
+        "predicted by their mean; predicted and measured are each the "
         "median over repeats. Nothing is fitted to these runs. 'vs no spec': the speedup over "
         "no speculation, measured (each repeat against no speculation's run next to it) and "
         "predicted, and how far the prediction is off.",
@@ -390,6 +408,8 @@ def current_report(runs: dict[str, dict]) -> str:
         f"- wall time, workload acceptance: {verdict([row[2] for row in rows])}.",
         f"- wall time, own acceptance: {verdict([row[3] for row in rows])}.",
         f"- speedup over no speculation, workload acceptance: {verdict([row[7] for row in rows])}.",
+        "- the same speedups from one replay of the expected tokens per step instead of drawn "
+        f"ones: {verdict([row[8] for row in rows])}.",
         f"- the measurement against itself: {(spread <= GOAL).mean():.0%} of {len(rows)} "
         f"configurations have every repeat within ±{GOAL:.0%} of their median; the largest "
         f"spread is ±{spread.max():.1%}.",
@@ -398,7 +418,7 @@ def current_report(runs: dict[str, dict]) -> str:
         "| error, own acceptance | vs no spec: measured | predicted | error |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r, measured, err, own_err, predicted, speedup, modelled, speedup_err in rows:
+    for r, measured, err, own_err, predicted, speedup, modelled, speedup_err, _ in rows:
         ratios = (
             f"{speedup:.2f}x | {modelled:.2f}x | {speedup_err:+.1%}"
             if speedup is not None
@@ -490,8 +510,8 @@ def main() -> None:
     text = (
         "Predicted wall time of every configuration measured by "
         "`benchmarks/rollout_throughput.py`, from that run's profile and the configuration's "
-        "own policy. Predictions are deterministic expectations (one replay, E[tokens | k] "
-        "per step).\n\n"
+        "own policy. Earlier runs are predicted by deterministic expectations (one replay, "
+        "E[tokens | k] per step).\n\n"
         + (current_report(current) + "\n\n" if current else "")
         + report(rows, unprofiled)
     )

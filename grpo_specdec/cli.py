@@ -181,11 +181,18 @@ def _simulate(args) -> None:
         from grpo_specdec.vllm_compat import dense_k_table
 
         table = dense_k_table(json.loads(args.static_table), max_batch, k_max)
-    replays = compare(latency, conditional, workload, k_max, max_batch, table, unprofiled)
+    replays = compare(
+        latency, conditional, workload, k_max, max_batch, table, unprofiled, args.draws
+    )
     recommended = recommend_table(latency, conditional, k_max, max_batch)
     print(
         f"Modelled, not measured: {len(lengths)} requests replayed on the latency profile "
-        f"{args.profile} with acceptance {[round(float(a), 3) for a in conditional]}"
+        f"{args.profile} with acceptance {[round(float(a), 3) for a in conditional]}, "
+        + (
+            f"the mean of {args.draws} replays with each step's tokens drawn from it"
+            if args.draws
+            else "each step advancing every request by its expected tokens"
+        )
     )
     print(comparison_table(replays))
     print(f"recommended num_speculative_tokens_per_batch_size: {recommended}")
@@ -439,6 +446,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--static-table",
         default=None,
         help="vLLM's num_speculative_tokens_per_batch_size as JSON, e.g. [[1,64,3],[65,512,0]]",
+    )
+    sim.add_argument(
+        "--draws",
+        type=int,
+        default=32,
+        help="replays per policy with each request's accepted drafts drawn, averaged; 0: one "
+        "replay of the expected tokens per step, which misses that a batch ends with its "
+        "unluckiest request",
     )
     sim.add_argument("--json", default=None, help="also write every replay here")
     sim.set_defaults(func=_simulate)

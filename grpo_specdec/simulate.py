@@ -4,8 +4,10 @@ All requests start together (one prefill step over every prompt), then every ste
 the B requests still running with the k their policy picks for B, and a request leaves once
 it has its output length. A step costs the controller's own `LatencyModel.step_ms(B, k,
 context)` plus the costs the profile does not time (`UnprofiledCosts`); it advances each request
-by E[tokens | k] from the conditional acceptance (`expected_tokens`): a deterministic
-expectation, so one replay gives the mean, not the spread of a run. The policies are the
+by E[tokens | k] from the conditional acceptance (`expected_tokens`), or, with draws, by
+tokens drawn position by position from it (`drawn_replay`, the mean of many replays): the
+expectation advances every request alike, so its batch ends when the average request does,
+while a measured batch ends with its unluckiest one. The policies are the
 controller's (`FixedPolicy`, `PaperPolicy`, `GoodputPolicy`) or vLLM's dense batch-size ->
 k list, read as the scheduler reads its `dynamic_sd_lookup`: once per step, indexed by the
 requests scheduled.
@@ -190,12 +192,17 @@ def replay(
     unprofiled: UnprofiledCosts = NONE_UNPROFILED,
     draft_pass_at_k0: bool = False,
     steps_priced_by: MeasuredSteps | None = None,
+    rng: np.random.Generator | None = None,
 ) -> Replay:
     """Replay `workload` with k from `policy`. `conditional`: P(draft position i accepted |
     positions < i accepted), one per position up to the policy's largest k.
     `draft_pass_at_k0`: steps with k = 0 still run one draft pass, as vLLM 0.32 ships.
-    `steps_priced_by`: the profile's timed steps price each step (default: `latency`)."""
-    tokens_at = expected_tokens(np.asarray(conditional, dtype=float))
+    `steps_priced_by`: the profile's timed steps price each step (default: `latency`).
+    `rng`: each request's tokens in a step are drawn (its drafts accepted position by
+    position, up to the first rejection) instead of E[tokens | k]: a batch ends with its
+    unluckiest request, which the expectation never is."""
+    conditional = np.asarray(conditional, dtype=float)
+    tokens_at = expected_tokens(conditional)
     choose = (lambda b, _: policy[b]) if isinstance(policy, list) else policy.choose
     costs = steps_priced_by or latency
     if costs.prices_attention:  # the profile timed attention itself
@@ -221,10 +228,13 @@ def replay(
         )
         if k == 0 and draft_pass_at_k0:
             t_ms += float(latency.draft(b))
-        made = np.minimum(tokens_at[k], remaining[running])
+        tokens = np.full(b, tokens_at[k])
+        if rng is not None and k > 0:
+            tokens = 1.0 + np.cumprod(rng.random((b, k)) < conditional[:k], axis=1).sum(axis=1)
+        made = np.minimum(tokens, remaining[running])
         if k > 0:
             drafted_steps += b
-            drafted_tokens += b * tokens_at[k]
+            drafted_tokens += float(tokens.sum())
         remaining[running] -= made
         contexts[running] += made
         done = running[remaining[running] <= 1e-9]
@@ -238,6 +248,23 @@ def replay(
         tail_s=(t_ms - tail_start) / 1000,
         mal=drafted_tokens / drafted_steps if drafted_steps else 1.0,
         steps=steps,
+    )
+
+
+def drawn_replay(draws: int, *args, seed: int = 0, **kwargs) -> Replay:
+    """The mean of `draws` replays (arguments as `replay`'s) whose tokens per step are drawn
+    from the acceptance, one seeded generator across them: makespan, tail and MAL averaged,
+    the steps those of the first."""
+    if draws < 1:
+        raise ValueError(f"draws: need at least 1 replay, got {draws}")
+    rng = np.random.default_rng(seed)
+    runs = [replay(*args, rng=rng, **kwargs) for _ in range(draws)]
+    return Replay(
+        makespan_s=statistics.fmean(r.makespan_s for r in runs),
+        tokens=runs[0].tokens,
+        tail_s=statistics.fmean(r.tail_s for r in runs),
+        mal=statistics.fmean(r.mal for r in runs),
+        steps=runs[0].steps,
     )
 
 
@@ -346,15 +373,21 @@ def compare(
     max_batch: int,
     static_table: list[int] | None = None,
     unprofiled: UnprofiledCosts = NONE_UNPROFILED,
+    draws: int = 0,
 ) -> dict[str, Replay]:
-    """One replay of `workload` per compared policy (`compared_policies`)."""
+    """One replay of `workload` per compared policy (`compared_policies`): the expectation,
+    or with `draws` the mean of that many drawn replays (`drawn_replay`)."""
     if max_batch < len(workload.output_lengths):
         raise ValueError(
             f"max_batch={max_batch} is below the {len(workload.output_lengths)} requests of the "
             "workload: a replay starts every request at once (no queue)"
         )
     return {
-        name: replay(latency, conditional, workload, policy, unprofiled)
+        name: (
+            drawn_replay(draws, latency, conditional, workload, policy, unprofiled)
+            if draws
+            else replay(latency, conditional, workload, policy, unprofiled)
+        )
         for name, policy in compared_policies(
             latency, conditional, k_max, max_batch, static_table
         ).items()

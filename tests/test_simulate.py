@@ -14,6 +14,7 @@ from grpo_specdec.simulate import (
     UnprofiledCosts,
     Workload,
     compare,
+    drawn_replay,
     lengths_from_trace,
     load_profile,
     named_lengths,
@@ -59,6 +60,23 @@ def test_accepted_drafts_shorten_the_rollout_and_set_the_mal():
     r = replay(LATENCY, [1.0, 1.0], w, FixedPolicy(2))
     assert r.mal == pytest.approx(3.0)
     assert len(r.steps) == 1 + 10  # 30 tokens after prefill, 3 a step
+
+
+def test_drawn_tokens_end_a_batch_with_its_unluckiest_request():
+    w = Workload([61] * 64, 8)
+    flat = LatencyModel(HingeLatency(10.0, 0.5, 600.0), LinearCost(0.5, 0.0))  # steps cost alike
+    expected = replay(flat, [0.6, 0.6], w, FixedPolicy(2))
+    drawn = drawn_replay(8, flat, [0.6, 0.6], w, FixedPolicy(2))
+    # The same tokens per request-step on average (1 + 0.6 + 0.36), but 64 requests drawing
+    # them take more steps to all reach 61 than one request making the mean every step.
+    assert drawn.mal == pytest.approx(expected.mal, rel=0.03)
+    assert drawn.makespan_s > 1.1 * expected.makespan_s
+    assert expected.tail_s == 0 < drawn.tail_s  # stragglers run on after the rest have left
+    # Seeded: the same draws again; certain acceptance leaves nothing to draw.
+    assert drawn_replay(8, flat, [0.6, 0.6], w, FixedPolicy(2)).makespan_s == drawn.makespan_s
+    assert drawn_replay(3, flat, [1.0, 0.0], w, FixedPolicy(2)).makespan_s == pytest.approx(
+        replay(flat, [1.0, 0.0], w, FixedPolicy(2)).makespan_s
+    )
 
 
 def test_a_profiled_attention_term_prices_each_step_at_its_context():
@@ -119,6 +137,7 @@ def test_ours_is_no_slower_than_no_spec_or_fixed_k_on_a_long_tail():
         (lambda: Workload([3], 0), "prompt_lengths"),
         (lambda: named_lengths("zipf:3"), "zipf:3"),
         (lambda: replay(LATENCY, [0.5], Workload([5], 4), FixedPolicy(3)), "k=3"),
+        (lambda: drawn_replay(0, LATENCY, [0.5], Workload([5], 4), FixedPolicy(1)), "draws"),
     ],
 )
 def test_bad_input_names_what_is_wrong(bad, field):
