@@ -11,15 +11,16 @@ update: `start_draft_weight_update` (or `start_weight_update`), `update_weights(
 "version"})`, `finish_weight_update`; then the prefix cache is reset with the running
 requests recomputed, so that none computes with KV of the old weights (vLLM's update does
 not do it). If `update_weights` fails on any rank, it asks every rank to take back what it
-loaded (`abort_weight_update`) before raising. Clients: `LLMClient` (an `LLM` in this process) and `HTTPClient` (a `vllm serve`
-with vLLM's RL routes, `VLLM_SERVER_DEV_MODE=1`); vLLM's own clients cannot start a draft
-update, which these add.
+loaded (`abort_weight_update`) before raising. Clients: `LLMClient` (an `LLM` in this
+process), `HTTPClient` (a `vllm serve` with vLLM's RL routes, `VLLM_SERVER_DEV_MODE=1`) and
+`RPCClient` (any engine reached only through `collective_rpc`, as verl reaches its server's);
+vLLM's own clients cannot start a draft update, which these add.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -137,6 +138,39 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
 
     def reset_prefix_cache(self) -> None:
         self._post("reset_prefix_cache?reset_running_requests=true")
+
+
+class RPCClient:
+    """A `VLLMWeightSyncClient` (and more) for an engine reached only through its
+    `collective_rpc`, as verl's trainer reaches its rollout server (`server_handle.
+    collective_rpc.remote(method, kwargs=...)`): it calls on every worker the methods that
+    `AsyncLLM`'s own weight-update API fans out to them, and the stack's own prefix-cache
+    reset (verl's `clear_kv_cache`). The engine-level weight version is not a worker's, so
+    `finish_weight_update` cannot set it; the plugin's per-role versions are set by the
+    workers' load."""
+
+    def __init__(
+        self, rpc: Callable[[str, dict[str, Any] | None], Any], reset_prefix_cache: Callable
+    ):
+        self.rpc, self.reset_prefix_cache = rpc, reset_prefix_cache
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.rpc("init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.rpc("start_weight_update", None)
+
+    def start_draft_weight_update(self) -> None:
+        self.rpc("start_draft_weight_update", None)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.rpc("update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.rpc("finish_weight_update", None)
+
+    def abort_weight_update(self) -> None:
+        self.rpc("grpo_abort_weight_update", None)
 
 
 def register() -> None:
