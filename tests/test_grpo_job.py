@@ -10,7 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,8 +20,8 @@ from grpo_specdec.config import load_yaml
 from grpo_specdec.grpo.core import group_advantages
 from grpo_specdec.job.batches import batch_at
 from grpo_specdec.job.config import TrainConfig
+from tests.conftest import ROOT, job_overrides, job_records, run_cli
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
-from tests.conftest import job_overrides, job_records, run_cli
 
 # a job, several engines or processes: `make test` runs it, `make test-fast` does not
 pytestmark = pytest.mark.slow
@@ -187,38 +187,53 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         job.shutdown()
 
 
-def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile, tmp_path):
+def test_sigkill_mid_checkpoint_then_resume(tiny_target, tiny_draft, job_profile, tmp_path):
+    from grpo_specdec.job.checkpoints import check_checkpoint, latest_checkpoint
+
     out = tmp_path / "run"
-    args = [
-        "train",
-        "--config",
-        CONFIG,
+    overrides = [
         *job_overrides(tiny_target, tiny_draft, job_profile, out, 4),
         "rollout.draft_sampling=probabilistic",  # sampled drafts, through a resume
         "ray.rollout_workers=2",  # and a scaled-out job
         "ray.policy_workers=2",
     ]
-    log = open(tmp_path / "first.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "grpo_specdec", *args],
-        stdout=log,
-        stderr=log,
-        start_new_session=True,
-    )
-    # Killed once a checkpoint of iteration 2 or 3 is the latest: any of them leaves
-    # iterations to resume, so the test does not depend on seeing one exact checkpoint.
-    latest = out / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    while not (latest.is_file() and latest.read_text() in ("iter_000002", "iter_000003")):
-        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    killed_after = latest.read_text()
-    opt_at_kill = torch.load(
-        out / "checkpoints" / killed_after / "policy_state.pt", weights_only=True
-    )
+    # The job runs in a child process that dies (SIGKILL) in the middle of its third
+    # checkpoint: after the roles' state is written, before it is renamed into place.
+    driver = textwrap.dedent(f"""
+        import os, signal
+        import grpo_specdec.job.run as run
+        from grpo_specdec.config import load_yaml
+        from grpo_specdec.job.config import TrainConfig
+        real_replace = os.replace
+        def dying_replace(src, dst):
+            if str(dst).endswith("iter_000003"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_replace(src, dst)
+        run.os.replace = dying_replace
+        run.Job(load_yaml(TrainConfig, {CONFIG!r}, {overrides!r})).run()
+    """)
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", driver],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            cwd=ROOT,
+        )
+        try:
+            returncode = proc.wait(timeout=900)
+        finally:
+            try:  # the job's Ray processes, in the driver's session
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
+    ckpts = out / "checkpoints"
+    assert (ckpts / ".tmp_iter_000003").is_dir()  # the half-written one
+    assert latest_checkpoint(ckpts) == ckpts / "iter_000002"
+    check_checkpoint(ckpts / "iter_000002")  # whole and loadable
+    opt_at_kill = torch.load(ckpts / "iter_000002" / "policy_state.pt", weights_only=True)
+    args = ["train", "--config", CONFIG, *overrides]
 
     resumed = run_cli(
         *args,
@@ -305,53 +320,13 @@ def test_kill_after_checkpoint_then_resume(tiny_target, tiny_draft, job_profile,
     assert [cell.strip() for cell in natural_plain.split("|")[2:-1]][8] == "-"  # no verdict
 
 
-def test_resumed_engine_reports_the_checkpoint_weight_versions(
-    tiny_target, tiny_draft, job_profile, tmp_path, monkeypatch
-):
-    import ray
-
-    from grpo_specdec.job import run
-
-    out = tmp_path / "run"
-    cfg = load_yaml(
-        TrainConfig, CONFIG, job_overrides(tiny_target, tiny_draft, job_profile, out, 1)
-    )
-    # Rewards that differ within every group: iteration 1 updates the policy.
-    flips = itertools.count()
-    monkeypatch.setattr(run, "reward", lambda *_: float(next(flips) % 2))
-    job = run.Job(cfg)
-    try:
-        job.run()
-    finally:
-        job.shutdown()
-    ckpt = out / "checkpoints" / "iter_000001"
-    saved = {
-        role: torch.load(ckpt / f"{role}_state.pt", weights_only=True)["version"]
-        for role in ("policy", "draft")
-    }
-    assert saved == {"policy": 1, "draft": 1}
-
-    # Equal rewards: iteration 2 leaves the policy as it is, so no swap renumbers it.
-    monkeypatch.setattr(run, "reward", lambda *_: 0.0)
-    cfg.iterations = 2
-    job = run.Job(cfg, resume=str(out))
-    try:
-        assert ray.get(job.rollouts[0].versions.remote()) == saved
-        job.run()
-    finally:
-        job.shutdown()
-    record = job_records(out)[-1]
-    assert record["iteration"] == 2 and record["policy_steps"] == 0
-    assert record["engine_policy_version"] == 1 and record["engine_draft_version"] == 2
-    assert record["draft_trained_on_policy"] == 1 and record["draft_policy_lag"] == 0
-
-
 def test_resume_from_an_older_checkpoint_makes_it_the_only_timeline(
-    tiny_target, tiny_draft, job_profile, tmp_path
+    tiny_target, tiny_draft, job_profile, tmp_path, monkeypatch
 ):
     import ray
     from safetensors.torch import load_file
 
+    from grpo_specdec.job import run
     from grpo_specdec.job.checkpoints import check_checkpoint, latest_checkpoint, read_state
     from grpo_specdec.job.run import Job
 
@@ -364,6 +339,9 @@ def test_resume_from_an_older_checkpoint_makes_it_the_only_timeline(
         CONFIG,
         [*job_overrides(tiny_target, tiny_draft, job_profile, out, 2), "model.draft=null"],
     )
+    # Rewards that differ within every group: every iteration updates the policy.
+    flips = itertools.count()
+    monkeypatch.setattr(run, "reward", lambda *_: float(next(flips) % 2))
     job = Job(cfg)
     try:
         # This start's new head replaced that one whole, and the engine serves it.
@@ -384,7 +362,11 @@ def test_resume_from_an_older_checkpoint_makes_it_the_only_timeline(
         role: torch.load(first / f"{role}_state.pt", weights_only=True)["version"]
         for role in ("policy", "draft")
     }
+    assert saved == {"policy": 1, "draft": 1}
 
+    # Equal rewards from here: iteration 2 leaves the policy as it is, so no swap renumbers
+    # it, and the engine's versions are the checkpoint's.
+    monkeypatch.setattr(run, "reward", lambda *_: 0.0)
     log: list[str] = []
     job = Job(cfg, resume=str(first), log=log.append)
     try:
@@ -404,7 +386,11 @@ def test_resume_from_an_older_checkpoint_makes_it_the_only_timeline(
     finally:
         job.shutdown()
     assert any(line.endswith(f"restarting all roles from {first}") for line in log), log
-    assert [r["iteration"] for r in job_records(out)] == [1, 2]
+    records = job_records(out)
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert records[-1]["policy_steps"] == 0
+    assert records[-1]["engine_policy_version"] == 1 and records[-1]["engine_draft_version"] == 2
+    assert records[-1]["draft_trained_on_policy"] == 1 and records[-1]["draft_policy_lag"] == 0
     assert latest_checkpoint(ckpts) == ckpts / "iter_000002"
     assert read_state(ckpts / "iter_000002")["iteration"] == 2
     check_checkpoint(first)  # the resume point is never overwritten
