@@ -358,6 +358,7 @@ def verdict(errors: list) -> str:
 
 def current_report(runs: dict[str, dict]) -> str:
     rows = []
+    still = {}  # per configuration: its repeats and its no-spec's all within GOAL
     for run, data in runs.items():
         configs = current_configs(run, data)
         predicted = {id(r): predict_repeats(r, data, r.workload_acceptance) for r in configs}
@@ -379,7 +380,14 @@ def current_report(runs: dict[str, dict]) -> str:
                     else (None,) * 4
                 )
             )
+            still[id(r)] = max(r.spread, plain.spread) <= GOAL
     spread = np.array([r.spread for r, *_ in rows])
+    held = [row[7] for row in rows if still[id(row[0])]]
+    by_run = [
+        f"{run}: {verdict([row[7] for row in rows if row[0].run == run])}; the measurement "
+        f"against itself {np.mean([row[0].spread <= GOAL for row in rows if row[0].run == run]):.0%}"
+        for run in runs
+    ]
     created = {
         f"{run} ({name})": p.get("created")
         for run, d in runs.items()
@@ -413,6 +421,11 @@ def current_report(runs: dict[str, dict]) -> str:
         f"- the measurement against itself: {(spread <= GOAL).mean():.0%} of {len(rows)} "
         f"configurations have every repeat within ±{GOAL:.0%} of their median; the largest "
         f"spread is ±{spread.max():.1%}.",
+        "- the speedups of the configurations whose measurement held still (every repeat of "
+        f"theirs and of no speculation's within ±{GOAL:.0%} of the median): "
+        + (verdict(held) if held else "none")
+        + ".",
+        "- by run, speedups: " + "; ".join(by_run) + ".",
         "",
         "| run | workload | config | measured s | repeats within | predicted s | error "
         "| error, own acceptance | vs no spec: measured | predicted | error |",
