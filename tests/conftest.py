@@ -374,6 +374,15 @@ def bare_scheduler(requests: dict | None = None):
     return scheduler
 
 
+def scrambled(weights: dict) -> dict:
+    """The same tensors with their rows shuffled (seeded): a head of the right names and
+    shapes whose drafts the target rarely accepts."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return {k: v[torch.randperm(v.shape[0], generator=g)] for k, v in weights.items()}
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for servers a test starts)."""
     import socket

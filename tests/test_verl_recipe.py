@@ -9,10 +9,9 @@ import asyncio
 import json
 
 import pytest
-import torch
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, scrambled
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +27,6 @@ def _serve_args(argv: list[str]):
     args = parser.parse_args(argv)
     args.model = args.model_tag
     return args
-
-
-def _scrambled(weights: dict) -> dict:
-    g = torch.Generator().manual_seed(0)
-    return {k: v[torch.randperm(v.shape[0], generator=g)] for k, v in weights.items()}
 
 
 class VerlLikeTrainer:
@@ -120,7 +114,7 @@ def test_verl_engine_runs_the_plugin_and_takes_draft_pushes_from_its_trainer(
             await engine.collective_rpc("monkey_patch_model", kwargs={"vocab_size": vocab})
             versions = [(await engine.collective_rpc("grpo_weight_versions"))[0]]
             served = [await answers()]
-            for weights, version in ((_scrambled(head), 80), (head, 81)):
+            for weights, version in ((scrambled(head), 80), (head, 81)):
                 await asyncio.to_thread(trainer.push_draft, weights, version)
                 versions.append((await engine.collective_rpc("grpo_weight_versions"))[0])
                 served.append(await answers())
@@ -147,6 +141,6 @@ def test_verl_engine_runs_the_plugin_and_takes_draft_pushes_from_its_trainer(
     want = [g[0].text for g in plain.outputs]
     assert [texts for texts, _ in served] == [want] * len(served)
     # (k follows the acceptance the scheduler has seen, so rates are compared by far)
-    (start, scrambled, trained, after_refusal) = (a for _, a in served)
-    assert start > 2 * scrambled and trained > 2 * scrambled
-    assert after_refusal > 2 * scrambled  # the trained head still served
+    (start, with_scrambled, trained, after_refusal) = (a for _, a in served)
+    assert start > 2 * with_scrambled and trained > 2 * with_scrambled
+    assert after_refusal > 2 * with_scrambled  # the trained head still served

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, scrambled
 from tests.test_readme import section_commands
 
 pytestmark = pytest.mark.slow
@@ -405,11 +405,6 @@ def _served_acceptance(url: str, model: str, prompts: list[str]) -> float:
     return accepted / drafts
 
 
-def _scrambled(weights: dict) -> dict:
-    g = torch.Generator().manual_seed(0)
-    return {k: v[torch.randperm(v.shape[0], generator=g)] for k, v in weights.items()}
-
-
 def test_vllms_http_client_pushes_a_draft_through_vllms_rl_routes(
     server, tiny_target, tiny_draft, questions
 ):
@@ -425,7 +420,7 @@ def test_vllms_http_client_pushes_a_draft_through_vllms_rl_routes(
     trained = load_file(Path(tiny_draft) / "model.safetensors")
     versions = ServedWeights(server, API_KEY)
     before = _greedy(server, tiny_target, questions[:8])
-    _push_draft(server, _scrambled(trained), 80)
+    _push_draft(server, scrambled(trained), 80)
     assert versions.versions()["draft"] == 80
     assert _greedy(server, tiny_target, questions[:8]) == before  # lossless either way
     with_scrambled = _served_acceptance(server, tiny_target, questions[:8])
@@ -478,7 +473,7 @@ def test_trl_vllm_serve_runs_the_plugin(tiny_target, tiny_draft, job_profile, qu
         from safetensors.torch import load_file
 
         loaded = _served_acceptance(url, tiny_target, questions[:8])
-        _push_draft(url, _scrambled(load_file(Path(tiny_draft) / "model.safetensors")), 1)
+        _push_draft(url, scrambled(load_file(Path(tiny_draft) / "model.safetensors")), 1)
         assert 2 * _served_acceptance(url, tiny_target, questions[:8]) < loaded
     finally:
         stop_server(proc)
