@@ -38,8 +38,13 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, vllm, transformers, ray; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
+# Two workers, each on one core (tests/conftest.py): half the suite's time is one process
+# starting up or waiting on another, which leaves the second core idle. A file stays on
+# one worker, so a module's shared engine starts once.
+WORKERS ?= 2
 test: setup
-	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider --durations=15
+	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider --durations=15 \
+		-n $(WORKERS) --dist loadfile
 
 # The edit loop: all but the tests marked slow (jobs, servers, fresh processes); CI runs `test`.
 test-fast: setup

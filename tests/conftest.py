@@ -1,11 +1,12 @@
 """Shared fixtures: tiny model assets (built once, cached by source hash) and shared engines.
 
 Engine start-up costs seconds, so each engine configuration is started once per session
-and shared by every test that needs it.
+and shared by every test that needs it (per xdist worker when `make test` runs two).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -24,6 +25,16 @@ ASSET_SOURCES = [
     "grpo_specdec/draft/trainer.py",
     "grpo_specdec/draft/capture.py",
 ]
+
+
+def pytest_configure(config) -> None:
+    """Under xdist, worker N keeps to one core of this process's: vLLM's CPU threads (and
+    every process a test starts, which inherits the mask) spin at their barriers, so two
+    workers sharing both cores would keep stealing each other's step."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
 
 
 def run_cli(
@@ -57,9 +68,13 @@ def _assets_cache() -> Path:
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:
     out = _assets_cache()
-    if not (out / "draft-reduced" / "model.safetensors").is_file():
-        proc = run_cli("models", "tiny", "--out", str(out))
-        assert proc.stdout.strip().splitlines()[-1] == str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Two xdist workers may both find the cache empty: one builds, the other waits.
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "draft-reduced" / "model.safetensors").is_file():
+            proc = run_cli("models", "tiny", "--out", str(out))
+            assert proc.stdout.strip().splitlines()[-1] == str(out)
     return out
 
 
