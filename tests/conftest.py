@@ -1,7 +1,7 @@
 """Shared fixtures: tiny model assets (built once, cached by source hash) and shared engines.
 
 Engine start-up costs seconds, so each engine configuration is started once per session
-and shared by every test that needs it (per xdist worker when `make test` runs two).
+and shared by every test that needs it (per xdist worker under `make test WORKERS=2`).
 """
 
 from __future__ import annotations
