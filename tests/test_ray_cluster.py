@@ -38,14 +38,21 @@ def commands() -> list[str]:
 
 @pytest.fixture(scope="module")
 def ray_head(commands):
-    """The README's `ray start --head`, on free ports, as its own process group (stopped
+    """The README's `ray start --head`, on free ports (its job agent's too), as its own process group (stopped
     with it: `ray stop` would stop every Ray on the machine)."""
     port, dashboard = free_port(), free_port()
     argv = shlex.split(commands[1].replace("6379", str(port)).replace("8265", str(dashboard)))
     temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay short
     argv[0] = str(BIN / "ray")
     head = subprocess.Popen(
-        [*argv, "--block", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"],
+        [
+            *argv,
+            # Ray's fixed default (52365) may be another Ray's on this machine (a job test on
+            # the other xdist worker): the agent then serves no jobs and every submission
+            # answers "No available agent to submit job".
+            f"--dashboard-agent-listen-port={free_port()}",
+            *("--block", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp}"),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
