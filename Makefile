@@ -38,18 +38,17 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch, vllm, transformers, ray; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
-# WORKERS=2: two pytest-xdist workers, each on one core (tests/conftest.py), a file to a
-# worker so that a module's shared engine starts once: 16-17 min here against 23, but the
-# `ray job submit` test then failed once in two runs (its Ray head's job agent did not
-# answer in time), so CI and the default run in one process.
-WORKERS ?= 0
+# Two pytest-xdist workers, each kept to one core (tests/conftest.py), a whole file to a
+# worker (a module's shared engine starts once), the files with slow tests handed out first:
+# 15 min here against 23 in one process. WORKERS=0 runs the suite in this one process.
+WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
-	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider --durations=15 \
-		-n $(WORKERS) --dist loadfile
+	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider --durations=15 $(XDIST)
 
 # The edit loop: all but the tests marked slow (jobs, servers, fresh processes); CI runs `test`.
 test-fast: setup
-	$(RUN) $(PY) -m pytest tests -q --timeout=600 -p no:cacheprovider -m "not slow"
+	$(RUN) $(PY) -m pytest tests -q --timeout=600 -p no:cacheprovider -m "not slow" $(XDIST)
 
 # A short SmolLM2 GRPO job (the shipped recipe at half its batch, 4 prompts x 8): speculative rollouts with the package's arithmetic head, which
 # keeps learning online; ends with a first-vs-last-iterations summary table and the next

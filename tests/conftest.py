@@ -1,7 +1,7 @@
 """Shared fixtures: tiny model assets (built once, cached by source hash) and shared engines.
 
 Engine start-up costs seconds, so each engine configuration is started once per session
-and shared by every test that needs it (per xdist worker under `make test WORKERS=2`).
+and shared by every test that needs it (once per xdist worker under `make test`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,15 @@ def pytest_configure(config) -> None:
     if worker.startswith("gw"):
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[int(worker[2:]) % len(cpus)]})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files with a slow test run first, each file's tests in their own order. xdist hands
+    a worker the next whole file when it runs dry (`--dist loadfile --no-loadscope-reorder`
+    keeps this order), so the long files go out first and the short ones fill in the end,
+    instead of one worker running the last long file alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 def run_cli(
