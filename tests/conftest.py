@@ -39,7 +39,7 @@ def pytest_configure(config) -> None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Files with a slow test run first, each file's tests in their own order. xdist hands
-    a worker the next whole file when it runs dry (`--dist loadfile --no-loadscope-reorder`
+    a worker the next whole file when it runs low (`--dist loadfile --no-loadscope-reorder`
     keeps this order), so the long files go out first and the short ones fill in the end,
     instead of one worker running the last long file alone."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}

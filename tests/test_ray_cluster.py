@@ -38,8 +38,8 @@ def commands() -> list[str]:
 
 @pytest.fixture(scope="module")
 def ray_head(commands):
-    """The README's `ray start --head`, on free ports (its job agent's too), as its own process group (stopped
-    with it: `ray stop` would stop every Ray on the machine)."""
+    """The README's `ray start --head`, on free ports (its job agent's too), as its own
+    process group (stopped with it: `ray stop` would stop every Ray on the machine)."""
     port, dashboard = free_port(), free_port()
     argv = shlex.split(commands[1].replace("6379", str(port)).replace("8265", str(dashboard)))
     temp = tempfile.mkdtemp(prefix="ray")  # short: Ray's socket paths must stay short
