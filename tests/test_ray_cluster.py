@@ -61,21 +61,23 @@ def ray_head(commands):
     )
     token = {**os.environ, "RAY_AUTH_MODE": "token"}  # as the README's `ray job` commands
     dashboard_url = f"http://127.0.0.1:{dashboard}"
-    deadline = time.time() + 120
-    while subprocess.run(
-        [BIN / "ray", "job", "list", "--address", dashboard_url], capture_output=True, env=token
-    ).returncode:
-        assert head.poll() is None, "ray start --head exited"
-        assert time.time() < deadline, "the Ray head's job API did not come up"
-        time.sleep(2)
-    yield {"HEAD:6379": f"127.0.0.1:{port}", "HEAD:8265": f"127.0.0.1:{dashboard}"}
-    # `ray start --block` takes ~30 s to go on SIGTERM; nothing of it is needed any more.
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(3)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
+    try:  # a head that never came up is stopped too: it would outlive the session
+        deadline = time.time() + 120
+        while subprocess.run(
+            [BIN / "ray", "job", "list", "--address", dashboard_url], capture_output=True, env=token
+        ).returncode:
+            assert head.poll() is None, "ray start --head exited"
+            assert time.time() < deadline, "the Ray head's job API did not come up"
+            time.sleep(2)
+        yield {"HEAD:6379": f"127.0.0.1:{port}", "HEAD:8265": f"127.0.0.1:{dashboard}"}
+    finally:
+        # `ray start --block` takes ~30 s to go on SIGTERM; nothing of it is needed any more.
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(3)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
 
 
 def _run_readme_command(command, addresses, target, draft, profile, tmp_path) -> dict:
