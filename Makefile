@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml
 
 # Two pytest-xdist workers, each kept to one core (tests/conftest.py), a whole file to a
 # worker (a module's shared engine starts once), the files with slow tests handed out first:
-# 15-19 min here against 23 in one process. WORKERS=0 runs the suite in this one process.
+# 15-21 min here against 23 in one process. WORKERS=0 runs the suite in this one process.
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
