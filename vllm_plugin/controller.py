@@ -216,23 +216,30 @@ def own_steps(rows: list[dict], draft_sampling: str) -> tuple[list[dict], list[d
 
 
 class AcceptanceEstimator:
-    """Conditional acceptance per draft position from exponentially decaying counts.
+    """Conditional acceptance per draft position from fading counts.
 
     Position i is tried when the i tokens before it were accepted. Estimates shrink
     toward the previous position's (and position 0 toward `prior`), so positions that
-    were rarely tried borrow strength instead of jumping to 0 or 1. Decay makes old
-    evidence fade, so estimates recover after the draft changes.
+    were rarely tried borrow strength instead of jumping to 0 or 1.
+
+    Evidence fades two ways. Each verified draft fades the older ones by 1 - 1/`memory`,
+    so the estimate rests on about `memory` recent drafts whatever the concurrency: at
+    B = 1 as firmly as at B = 64. And every running sequence in every step fades all of
+    it by `decay`, so that where nothing is drafted the estimate drifts back toward the
+    prior and drafting is probed again (after a hot-swap, or when the text changes). A
+    fade per engine step instead (0.97 until 2026-12) left a B = 1 tail about 33 drafts
+    of evidence, too few to tell an acceptance of 0.1 from the 0.14 where a draft paid on
+    a Xeon without bf16: the controller drafted there at 0.82x of no speculation. Per
+    sequence, a probe at B brings B drafts and fading removes B times as much per step,
+    so probes take the same small share of steps at every B (tests/test_controller.py).
 
     The controller plans on an upper confidence bound (`optimistic_tokens`), `optimism`
     standard errors above each estimate, not on the estimate itself: k = 0 yields no
     evidence, so a controller that trusts a pessimistic prior never learns that a
     sharpened policy's draft would pay at large B (measured: a fresh estimator at the
     prior 0.6 kept k = 0 at B = 32 where the head's acceptance was 0.86 and k = 2 paid
-    1.15x). With little evidence the bound is high, the step drafts and 32 sequences
-    report at once; with plenty (about B / (1 - decay) observations in steady state) it
-    is the estimate. Where drafting does not pay, a probing step recurs only once the
-    evidence has faded (0.65% of steps at B = 64 and acceptance 0.35 on the measured CPU
-    profile, tests/test_controller.py).
+    1.15x). With little evidence the bound is high, the step drafts and B sequences
+    report at once; with about `memory` drafts it is close to the estimate.
     """
 
     def __init__(
@@ -240,26 +247,31 @@ class AcceptanceEstimator:
         k_max: int,
         prior: float = 0.6,
         prior_weight: float = 4.0,
-        decay: float = 0.97,
+        decay: float = 0.9998,
         optimism: float = 1.0,
+        memory: float = 512.0,
     ):
         self.k_max, self.prior, self.prior_weight, self.decay = k_max, prior, prior_weight, decay
-        self.optimism = optimism
+        self.optimism, self.memory = optimism, memory
         self.tried = np.zeros(k_max)
         self.accepted = np.zeros(k_max)
         self.version = 0  # bumps when estimates change, so callers can cache
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        fade = 1.0 - 1.0 / self.memory
+        self.tried *= fade
+        self.accepted *= fade
         tried = min(num_accepted + 1, num_draft_tokens, self.k_max)
         self.tried[:tried] += 1
         self.accepted[: min(num_accepted, self.k_max)] += 1
         self.version += 1
 
-    def step(self) -> None:
-        """Called once per engine step."""
+    def step(self, running: int = 1) -> None:
+        """Called once per engine step, with the number of sequences it ran."""
         if self.tried.any():
-            self.tried *= self.decay
-            self.accepted *= self.decay
+            fade = self.decay ** max(running, 1)
+            self.tried *= fade
+            self.accepted *= fade
             self.version += 1
 
     def conditional(self) -> np.ndarray:

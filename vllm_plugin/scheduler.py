@@ -148,6 +148,7 @@ class ConcurrencyAwareMixin:
             prior=self.controller_settings.acceptance_prior,
             decay=self.controller_settings.acceptance_decay,
             optimism=self.controller_settings.acceptance_optimism,
+            memory=self.controller_settings.acceptance_memory,
         )
 
     def set_policy(
@@ -165,7 +166,7 @@ class ConcurrencyAwareMixin:
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
         if out.num_scheduled_tokens:
-            self.acceptance.step()
+            self.acceptance.step(len(out.num_scheduled_tokens))
             k = out.num_spec_tokens_to_schedule
             decode_only = not out.scheduled_new_reqs and all(
                 n == 1 + len(out.scheduled_spec_decode_tokens.get(req, ()))

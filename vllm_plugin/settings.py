@@ -49,7 +49,12 @@ class ControllerSettings(BaseModel):
     fixed_k: int | None = Field(None, ge=0, description="k for the fixed policy (default: k_max)")
     alpha: float = Field(0.75, gt=0, description="paper policy: draft-quality constant")
     acceptance_prior: float = Field(0.6, gt=0, lt=1)
-    acceptance_decay: float = Field(0.97, gt=0, le=1)
+    acceptance_decay: float = Field(
+        0.9998, gt=0, le=1, description="evidence kept per running sequence per engine step"
+    )
+    acceptance_memory: float = Field(
+        512.0, gt=1, description="verified drafts the acceptance estimate rests on"
+    )
     acceptance_optimism: float = Field(
         1.0, ge=0, description="standard errors above the acceptance estimate k is chosen on"
     )

@@ -75,7 +75,10 @@ def _build(runner):
         history_versions=g.history_versions,
         min_confidence=g.min_confidence,
         model_acceptance=AcceptanceEstimator(
-            k_max, prior=settings.acceptance_prior, decay=settings.acceptance_decay
+            k_max,
+            prior=settings.acceptance_prior,
+            decay=settings.acceptance_decay,
+            memory=settings.acceptance_memory,
         ),
     )
     logger.info("group drafts on: k_max %d, %s", k_max, g)
