@@ -227,9 +227,9 @@ class AcceptanceEstimator:
     B = 1 as firmly as at B = 64. And every running sequence in every step fades all of
     it by `decay`, so that where nothing is drafted the estimate drifts back toward the
     prior and drafting is probed again (after a hot-swap, or when the text changes). A
-    fade per engine step instead (0.97 until 2026-12) left a B = 1 tail about 33 drafts
-    of evidence, too few to tell an acceptance of 0.1 from the 0.14 where a draft paid on
-    a Xeon without bf16: the controller drafted there at 0.82x of no speculation. Per
+    fade per engine step (0.97) would leave a B = 1 tail about 33 drafts of evidence,
+    too few to tell an acceptance of 0.1 from the 0.14 where a draft pays on a Xeon
+    without bf16 (measured there: 0.82x of no speculation). Per
     sequence, a probe at B brings B drafts and fading removes B times as much per step,
     so probes take the same small share of steps at every B (tests/test_controller.py).
 

@@ -14,7 +14,7 @@ int64 CPU tensor vLLM made at load time) straight from the tensor's memory, and 
 release op with torch-function modes (TorchRefsMode, which routes `.item()` to
 `torch._refs.item` and recursed there, and any user mode) and dispatch modes
 (FakeTensorMode, which would run the op's fake kernel and leak the handle) set aside.
-tests/test_patches.py drops handles under each mode this torch has.
+tests/test_onednn_release.py drops handles under each mode this torch has.
 """
 
 from __future__ import annotations
