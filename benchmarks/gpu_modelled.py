@@ -32,7 +32,7 @@ from grpo_specdec.simulate import (
     recommend_table,
     replay,
 )
-from grpo_specdec.vllm_compat import dense_k_table
+from vllm_plugin.compat import dense_k_table
 from vllm_plugin.controller import LatencyModel, LinearCost, fit_latency
 
 # NVIDIA NIM for LLMs benchmarks, Llama-3.1-8B-Instruct: inter-token latency (ms) at each

@@ -60,7 +60,7 @@ from grpo_specdec.measure import run_protocol
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES, recommend_table
 from grpo_specdec.tasks.arithmetic import make_problems
 from grpo_specdec.tasks.tail_shape import tail_shape, tokens_after_eos
-from grpo_specdec.vllm_compat import dense_k_table
+from vllm_plugin.compat import dense_k_table
 from vllm_plugin.controller import (
     AcceptanceEstimator,
     FixedPolicy,

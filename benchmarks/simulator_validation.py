@@ -41,7 +41,7 @@ from grpo_specdec.simulate import (
     replay,
 )
 from grpo_specdec.tasks.arithmetic import make_problems
-from grpo_specdec.vllm_compat import dense_k_table
+from vllm_plugin.compat import dense_k_table
 from vllm_plugin.controller import (
     NO_COST,
     FixedPolicy,

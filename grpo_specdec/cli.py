@@ -178,7 +178,7 @@ def _simulate(args) -> None:
     max_batch = max(args.max_batch or len(lengths), 1)
     table = None
     if args.static_table:
-        from grpo_specdec.vllm_compat import dense_k_table
+        from vllm_plugin.compat import dense_k_table
 
         table = dense_k_table(json.loads(args.static_table), max_batch, k_max)
     replays = compare(
@@ -275,7 +275,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     """The engine settings of a command that starts one engine."""
     p.add_argument("--dtype", default="auto")
     _max_model_len_arg(p)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=None, help="default: 1 GiB on CPU, vLLM's on a GPU"
+    )
     p.add_argument("--eager", action="store_true", help="skip torch.compile (faster start)")
 
 

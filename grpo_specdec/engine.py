@@ -20,6 +20,7 @@ from grpo_specdec.engine_config import EngineConfig, SamplingSettings
 from grpo_specdec.modelcheck import draft_method
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin import patches
+from vllm_plugin.k_table import every_k_table
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.patches import group_drafts_v0_32, runner_name
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
@@ -156,13 +157,14 @@ class Engine:
             dtype=engine_dtype(cfg.model, cfg.dtype),
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
-            kv_cache_memory_bytes=int(cfg.kv_cache_gib * (1 << 30)),
             seed=cfg.seed,
             enforce_eager=cfg.enforce_eager,
             disable_log_stats=False,
             worker_extension_cls=self.WORKER_EXTENSION,
             weight_transfer_config={"backend": TRANSFER_BACKEND},
         )
+        if cfg.kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
         if cfg.speculative is not None:
             kwargs["per_request_spec_decode_metrics"] = "detailed"
         spec = cfg.speculative
@@ -184,16 +186,17 @@ class Engine:
                     raise ValueError(
                         "speculative.controller.group.enabled: group drafts are a patch of "
                         "vLLM 0.32's Model Runner V1, not applied in this process (Model "
-                        f"Runner {runner_name()}; VLLM_USE_V2_MODEL_RUNNER=1 or "
-                        "GRPO_SPECDEC_NO_PATCHES=1 turn it off)"
+                        f"Runner {runner_name()}: VLLM_USE_V2_MODEL_RUNNER=0 runs V1, with "
+                        "PIECEWISE CUDA graphs; GRPO_SPECDEC_NO_PATCHES=1 turns the patches "
+                        "off)"
                     )
                 # vLLM's default for EAGLE on GPU, async scheduling, feeds the drafter's own
                 # drafts to the next step and never reads the group's (the patch refuses it).
                 kwargs["async_scheduling"] = False
             if spec.concurrency_aware:
                 kwargs["scheduler_cls"] = self.SCHEDULER
-                # Tell vLLM k varies per step (it sizes CUDA graphs for every k).
-                table = [(1, cfg.max_num_seqs, spec.k)]
+                # Which k a step may run; the controller chooses among them (k_table.py).
+                table = every_k_table(spec.k, cfg.max_num_seqs)
             if table:
                 kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = table
         kwargs.update(extra_llm_kwargs)

@@ -276,7 +276,7 @@ def compared_policies(
     static_table: list[int] | None = None,
 ) -> dict[str, Policy | list[int]]:
     """The policies compared: no speculation, fixed k = 1..k_max, vLLM's static table (a
-    dense batch-size -> k list, `vllm_compat.dense_k_table`), the paper's rule and ours
+    dense batch-size -> k list, `vllm_plugin.compat.dense_k_table`), the paper's rule and ours
     (goodput, pricing k on `conditional` as if its estimator had converged to it)."""
     policies: dict[str, Policy | list[int]] = {"no spec": FixedPolicy(0)}
     policies.update({f"k={k}": FixedPolicy(k) for k in range(1, k_max + 1)})

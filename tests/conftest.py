@@ -432,3 +432,34 @@ def plugin_log_lines(caplog, level: int, action) -> list[str]:
     # where "vllm" does propagate (vLLM not configured yet), a record arrives twice
     records = {id(r): r for r in caplog.records if r.name.startswith("vllm.vllm_plugin")}
     return [r.getMessage() for r in records.values()]
+
+
+def unset_until_teardown(monkeypatch, name: str) -> None:
+    """Unset `name` now and restore it after the test, whatever sets it in between
+    (`monkeypatch.delenv` records nothing for a variable that is not set)."""
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+
+
+class EngineArgsSeen(Exception):
+    pass
+
+
+def engine_kwargs(monkeypatch, cfg) -> dict:
+    """The arguments `Engine(cfg)` gives vLLM's LLM (the engine is not started)."""
+    import vllm
+
+    from grpo_specdec.engine import Engine
+
+    seen = {}
+
+    def llm(**kwargs):
+        seen.update(kwargs)
+        raise EngineArgsSeen
+
+    monkeypatch.setattr(vllm, "LLM", llm)
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "GRPO_SPECDEC_CONTROLLER"):
+        unset_until_teardown(monkeypatch, name)  # Engine sets them
+    with pytest.raises(EngineArgsSeen):
+        Engine(cfg)
+    return seen

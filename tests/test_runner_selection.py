@@ -19,7 +19,7 @@ from vllm.platforms import current_platform
 import vllm_plugin
 from grpo_specdec.engine import Engine
 from grpo_specdec.vllm_compat import reread_environment
-from tests.conftest import plugin_log_lines, tiny_engine_config
+from tests.conftest import engine_kwargs, plugin_log_lines, tiny_engine_config, unset_until_teardown
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 V1_PATCHES = {"free_k0_v0_32", "group_drafts_v0_32"}
@@ -30,13 +30,7 @@ CPU_V1_PATCHES = {
 }
 CPU_PATCHES = {"cpu_onednn_release_v0_32", "cpu_compile_cache_v0_32", "cpu_kernel_scan_v0_32"}
 ANY_PATCHES = {"rpc_replies_v0_32"}  # whatever the platform and runner
-
-
-def unset_until_teardown(monkeypatch, name: str) -> None:
-    """Unset `name` now and restore it after the test, whatever sets it in between
-    (`monkeypatch.delenv` records nothing for a variable that is not set)."""
-    monkeypatch.setenv(name, "")
-    monkeypatch.delenv(name)
+TRITON_PATCHES = {"v2_graph_candidates_v0_32"}  # where Triton runs, so V2 can
 
 
 def vllm_runs_v2() -> bool:
@@ -78,20 +72,23 @@ def test_on_cuda_vllm_alone_runs_v2(on_cuda):
     assert vllm_runs_v2()
 
 
-def test_on_cuda_the_plugin_selects_v1_and_applies_its_runner_patches(on_cuda, caplog):
+def test_on_cuda_the_plugin_leaves_v2_and_says_once_what_its_v1_patches_miss(on_cuda, caplog):
     lines = register(caplog)
-    assert vllm_runs_v2() is False
-    assert vllm_plugin.RUNNER == "V1"
-    assert set(vllm_plugin.PATCHED) == V1_PATCHES | ANY_PATCHES
-    assert set(vllm_plugin.SKIPPED) == CPU_V1_PATCHES | CPU_PATCHES
-    chose = [line for line in lines if "Model Runner V1" in line and f"{RUNNER_ENV}=0" in line]
-    assert len(chose) == 1, lines
+    assert RUNNER_ENV not in os.environ  # nothing chosen for engines that do not use us
+    assert vllm_runs_v2()
+    assert vllm_plugin.RUNNER == "V2"
+    assert set(vllm_plugin.PATCHED) == ANY_PATCHES | TRITON_PATCHES
+    assert set(vllm_plugin.SKIPPED) == V1_PATCHES | CPU_V1_PATCHES | CPU_PATCHES
+    said = [line for line in lines if "run Model Runner V2" in line]
+    assert len(said) == 1, lines
+    assert "group drafts are refused" in said[0] and "k = 0" in said[0]
+    assert f"{RUNNER_ENV}=0" in said[0] and "PIECEWISE" in said[0]
     vllm_plugin.register()  # vLLM loads plugins once a process, but a second call is harmless
-    assert set(vllm_plugin.PATCHED) == V1_PATCHES | ANY_PATCHES
+    assert set(vllm_plugin.PATCHED) == ANY_PATCHES | TRITON_PATCHES
 
 
 @pytest.mark.parametrize("platform", ["cuda", "cpu"])
-def test_a_user_who_forces_v2_gets_no_v1_patch_and_a_warning_naming_what_is_lost(
+def test_a_user_who_forces_v2_gets_no_v1_patch_and_a_line_naming_what_is_lost(
     platform, request, fresh_plugin, monkeypatch, caplog
 ):
     if platform == "cuda":
@@ -100,22 +97,23 @@ def test_a_user_who_forces_v2_gets_no_v1_patch_and_a_warning_naming_what_is_lost
     lines = register(caplog)
     assert vllm_runs_v2()
     assert not (V1_PATCHES | CPU_V1_PATCHES) & set(vllm_plugin.PATCHED)
-    assert set(vllm_plugin.PATCHED) == (CPU_PATCHES if platform == "cpu" else set()) | ANY_PATCHES
+    own = CPU_PATCHES if platform == "cpu" else TRITON_PATCHES
+    assert set(vllm_plugin.PATCHED) == own | ANY_PATCHES
     assert vllm_plugin.RUNNER == "V2"
-    warning = [line for line in lines if f"Model Runner V2 ({RUNNER_ENV}=1)" in line]
-    assert len(warning) == 1, lines
-    assert "group drafts never draft" in warning[0] and "k = 0" in warning[0]
+    said = [line for line in lines if "run Model Runner V2" in line]
+    assert len(said) == 1, lines
     for name in V1_PATCHES:
         assert any(
             f"patch {name} not applied" in line and "Model Runner V2" in line for line in lines
         )
 
 
-def test_a_user_who_chooses_v1_keeps_it(on_cuda, monkeypatch, caplog):
+def test_a_user_who_chooses_v1_gets_its_patches(on_cuda, monkeypatch, caplog):
     monkeypatch.setenv(RUNNER_ENV, "0")
     lines = register(caplog)
-    assert set(vllm_plugin.PATCHED) == V1_PATCHES | ANY_PATCHES
-    assert not any("Model Runner V1 (" in line for line in lines)  # nothing chosen for them
+    assert set(vllm_plugin.PATCHED) == V1_PATCHES | ANY_PATCHES | TRITON_PATCHES
+    assert vllm_plugin.RUNNER == "V1"
+    assert not any("Model Runner V2" in line for line in lines)
 
 
 def test_on_cpu_v1_runs_without_the_plugin_choosing(fresh_plugin):
@@ -141,6 +139,19 @@ def test_on_another_vllm_the_plugin_leaves_the_runner_to_it(on_cuda, monkeypatch
     assert vllm_plugin.PATCHED == []
 
 
+@pytest.mark.parametrize(
+    "version, targeted",
+    [("0.32.0+cu129", True), ("0.32.0+cpu", True), ("0.32.1", False), ("0.32.0rc1", False)],
+)
+def test_a_local_build_of_the_target_version_is_the_target(on_cuda, monkeypatch, version, targeted):
+    """CUDA wheels carry a local label; the code the patches target is the same."""
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    vllm_plugin.register()
+    assert set(vllm_plugin.PATCHED) == (ANY_PATCHES | TRITON_PATCHES if targeted else set())
+
+
 def test_the_cpu_engine_runs_the_v1_runner_the_patches_change(eagle_engine):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -151,28 +162,6 @@ def test_the_cpu_engine_runs_the_v1_runner_the_patches_change(eagle_engine):
 
 
 # ---- engine arguments ------------------------------------------------------------------------
-class EngineArgsSeen(Exception):
-    pass
-
-
-def engine_kwargs(monkeypatch, cfg) -> dict:
-    """The arguments `Engine(cfg)` gives vLLM's LLM (the engine is not started)."""
-    import vllm
-
-    seen = {}
-
-    def llm(**kwargs):
-        seen.update(kwargs)
-        raise EngineArgsSeen
-
-    monkeypatch.setattr(vllm, "LLM", llm)
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "GRPO_SPECDEC_CONTROLLER"):
-        unset_until_teardown(monkeypatch, name)  # Engine sets them
-    with pytest.raises(EngineArgsSeen):
-        Engine(cfg)
-    return seen
-
-
 def group_config(target: str, draft: str | None):
     speculative = {"draft": draft, "k": 3, "controller": {"group": {"enabled": True}}}
     return tiny_engine_config(target, draft, speculative=speculative)
@@ -192,17 +181,18 @@ def test_without_group_drafts_vllm_chooses_the_scheduling(monkeypatch, tiny_targ
 
 
 def test_group_drafts_refuse_an_engine_on_v2(on_cuda, monkeypatch, tiny_target, tiny_draft):
-    monkeypatch.setenv(RUNNER_ENV, "1")
+    """vLLM's default on CUDA: the message says how to get the V1 runner they need."""
     vllm_plugin.register()
     with pytest.raises(
-        ValueError, match=r"group.enabled.*Model Runner V2.*VLLM_USE_V2_MODEL_RUNNER"
+        ValueError, match=r"group.enabled.*Model Runner V2.*VLLM_USE_V2_MODEL_RUNNER=0"
     ):
         engine_kwargs(monkeypatch, group_config(tiny_target, tiny_draft))
 
 
-def test_group_drafts_start_on_the_v1_runner_the_plugin_selects(
+def test_group_drafts_start_on_the_v1_runner_a_user_chooses(
     on_cuda, monkeypatch, tiny_target, tiny_draft
 ):
+    monkeypatch.setenv(RUNNER_ENV, "0")
     vllm_plugin.register()
     kwargs = engine_kwargs(monkeypatch, group_config(tiny_target, tiny_draft))
     assert kwargs["async_scheduling"] is False

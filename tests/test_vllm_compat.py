@@ -22,13 +22,13 @@ from vllm.v1.engine.core_client import InprocClient
 from grpo_specdec.engine import Engine, SamplingSettings
 from grpo_specdec.vllm_compat import (
     TARGET_VERSION,
-    dense_k_table,
     in_process_scheduler,
     reread_environment,
     sample_draft_as_vllm,
 )
 from tests.conftest import ROOT, tiny_engine_config
 from vllm_plugin import compat
+from vllm_plugin.compat import dense_k_table
 from vllm_plugin.patches.group_drafts_v0_32 import DRAFTER_ATTR, group_drafter
 
 

@@ -11,9 +11,9 @@ runner, a draft pass that ran on steps drafting nothing (it now runs lazily, cat
 when drafting resumes); and, when configured, drafts from a GRPO group's text join the
 engine's own (its one per-step hook, `take_draft_token_ids`); with several worker
 processes, replies that a failed collective RPC left unread are read before it raises, so
-later calls get their own. Where vLLM would run its
-Model Runner V2 instead (CUDA), which none of those patches reach, it selects V1 unless
-the user set VLLM_USE_V2_MODEL_RUNNER (`patches.choose_model_runner`). Set
+later calls get their own. Which model runner engines run is vLLM's choice and the
+user's: where it is Model Runner V2 (vLLM's default on CUDA), which none of the V1 patches
+reach, the plugin says once what they would have given (`patches.say_runner`). Set
 GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched. In a `vllm serve` API process it also
 turns on multiprocess metrics, so that /metrics shows the engine core's (see
 `serve_metrics`).
@@ -58,10 +58,11 @@ def register() -> None:
         free_k0_v0_32,
         group_drafts_v0_32,
         rpc_replies_v0_32,
+        v2_graph_candidates_v0_32,
     )
 
     if RUNNER is None:
-        patches.choose_model_runner()
+        patches.say_runner()
         RUNNER = patches.runner_name()
     for patch in (
         cpu_expand_kernel_v0_32,
@@ -73,6 +74,7 @@ def register() -> None:
         free_k0_v0_32,
         group_drafts_v0_32,
         rpc_replies_v0_32,
+        v2_graph_candidates_v0_32,
     ):
         name = patch_name(patch)
         if name in PATCHED or name in SKIPPED:

@@ -91,3 +91,12 @@ def load_general_plugins() -> None:
     from vllm.plugins import load_general_plugins as load
 
     load()
+
+
+def dense_k_table(table, max_batch: int, k_max: int) -> list[int]:
+    """vLLM's static batch-size -> k lookup (index: running requests) for the ranges `table`
+    of `num_speculative_tokens_per_batch_size`, as vLLM 0.32.0's scheduler builds it
+    (`vllm.v1.spec_decode.dynamic.utils.build_dynamic_sd_schedule_lookup`)."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    return build_dynamic_sd_schedule_lookup(table, max_batch, k_max)

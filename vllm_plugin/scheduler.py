@@ -21,7 +21,7 @@ from collections import Counter, deque
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from vllm_plugin.compat import is_registered
+from vllm_plugin.compat import dense_k_table, is_registered
 from vllm_plugin.controller import (
     AcceptanceEstimator,
     FixedPolicy,
@@ -107,6 +107,44 @@ def recent(trace: deque, n: int) -> list:
     return list(itertools.islice(trace, max(0, len(trace) - n), None)) if n > 0 else []
 
 
+def check_engine(vllm_config, k_max: int) -> None:
+    """Refuse an engine whose ranks must run one k together; say which k get no full CUDA
+    graph. Data-parallel ranks of a mixture-of-experts model step together (their expert
+    collectives run every forward, and the drafter's count depends on k), so a k chosen per
+    rank from its own batch diverges and deadlocks; vLLM turns its own per-batch-size k off
+    there (`VllmConfig._maybe_disable_dynamic_sd_for_data_parallel`). Dense data-parallel
+    ranks are independent engines, each with its own scheduler."""
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    if parallel.data_parallel_size > 1 and model.is_moe:
+        raise ValueError(
+            f"ConcurrencyAwareScheduler: data_parallel_size={parallel.data_parallel_size} on a "
+            "mixture-of-experts model, whose data-parallel ranks step together: a k chosen "
+            "per rank from its own batch would diverge across them and deadlock. Run the "
+            "engine without data parallelism, or with a fixed k (no scheduler_cls)"
+        )
+    if not vllm_config.compilation_config.cudagraph_mode.has_full_cudagraphs():
+        return
+    table = vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+    listed = set(table_ks(table, vllm_config.scheduler_config.max_num_seqs, k_max))
+    missing = sorted(set(range(k_max + 1)) - listed)
+    if missing:
+        logger.warning(
+            "concurrency-aware speculation: num_speculative_tokens_per_batch_size %s lists "
+            "no k in %s, so vLLM prepares no full CUDA graph for steps at those k; pass "
+            "vllm_plugin.k_table.every_k_table(%d, max_num_seqs)",
+            table,
+            missing,
+            k_max,
+        )
+
+
+def table_ks(table, max_num_seqs: int, k_max: int) -> list[int]:
+    """The k of each batch size in vLLM's dense lookup of `table` (none without one)."""
+    if not table:
+        return []
+    return dense_k_table(table, max_num_seqs, k_max)[1:]
+
+
 class ConcurrencyAwareMixin:
     def _init_controller(self) -> None:
         if self.num_spec_tokens <= 0:
@@ -114,6 +152,7 @@ class ConcurrencyAwareMixin:
                 "ConcurrencyAwareScheduler needs speculative decoding: set a speculative_config "
                 "whose num_speculative_tokens is the largest k to draft"
             )
+        check_engine(self.vllm_config, self.num_spec_tokens)
         self.controller_settings = ControllerSettings.from_env()
         self.acceptance = self.new_acceptance()
         # Which drafter made each request's pending drafts (patches/group_drafts_v0_32.py

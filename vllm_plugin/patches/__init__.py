@@ -4,14 +4,16 @@ each naming the vLLM version it targets and applying only there.
 Most of them change vLLM 0.32's V1 model runner (`vllm.v1.worker.gpu_model_runner`, which
 the CPU runner subclasses), its drafter or its rejection sampler. vLLM 0.32 also ships Model
 Runner V2 (`vllm/v1/worker/gpu/`, its own drafters and sampler), which calls none of them,
-and makes it the default wherever Triton runs (CUDA, ROCm). So the plugin chooses V1 there
-(`choose_model_runner`) unless the user chose, and a V1 patch applies only where V1 runs.
+and makes it the default wherever Triton runs (CUDA, ROCm). The plugin leaves that choice
+to vLLM and the user: V2 is where vLLM captures FULL CUDA graphs for every k a
+concurrency-aware engine may run (`vllm_plugin/k_table.py`), V1 turns such an engine
+PIECEWISE. A V1 patch applies only where V1 runs; where V2 runs the plugin says once what
+that leaves out (`say_runner`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 from vllm_plugin import compat
 
@@ -22,17 +24,28 @@ logger = logging.getLogger(f"vllm.{__name__}")
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 # What the patches of V1 give, lost where V2 runs.
 LOST_ON_V2 = (
-    "steps with k = 0 still run the draft pass, group drafts never draft, and on CPU "
+    "steps with k = 0 still run the draft pass, group drafts are refused, and on CPU "
     "sampled speculative decoding runs as vLLM ships it"
 )
 
 
+def vllm_is(version: str) -> bool:
+    """Whether this process runs vLLM `version`, a local build of it included: CUDA wheels
+    carry a local label ("0.32.0+cu129"), which changes none of the code a patch targets."""
+    import vllm
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(vllm.__version__).public == version
+    except InvalidVersion:
+        return False
+
+
 def running_on_cpu(version: str) -> bool:
     """Whether this process runs vLLM `version` on CPU."""
-    import vllm
     from vllm.platforms import current_platform
 
-    return vllm.__version__ == version and current_platform.is_cpu()
+    return vllm_is(version) and current_platform.is_cpu()
 
 
 def runs_v1_model_runner() -> bool:
@@ -66,32 +79,16 @@ def acting(patched: list[str], runner: str) -> list[str]:
     return [name for name in patched if runner == "V1" or not needs_v1(name)]
 
 
-def choose_model_runner() -> None:
-    """Run engines on V1 where vLLM would pick V2 and the user did not choose, and say so
-    once; say what is lost where the user chose V2. vLLM loads general plugins before it
-    builds an engine's config, in every process (`EngineArgs.__post_init__`, so in `LLM(...)`
-    and the project's `Engine`; `vllm serve`'s argument parser; each engine-core and worker
-    process), and child processes inherit the variable."""
-    import vllm
-
-    if vllm.__version__ != compat.TARGET_VERSION:
-        return  # no patch applies
-    chosen = compat.v2_model_runner_setting()
-    if chosen is None and compat.has_triton():
-        os.environ[RUNNER_ENV] = "0"
-        logger.info(
-            "grpo-specdec: engines run Model Runner V1 (%s=0 set): vLLM's default here, V2, "
-            "never calls the V1 classes the plugin patches, where %s; set %s=1 to run V2 "
-            "without the patches",
-            RUNNER_ENV,
-            LOST_ON_V2,
-            RUNNER_ENV,
-        )
-    elif chosen:
-        logger.warning(
-            "grpo-specdec: Model Runner V2 (%s=1): the plugin's patches of the V1 runner are "
-            "not applied, as V2 never calls what they change, so %s; unset %s to run V1",
-            RUNNER_ENV,
-            LOST_ON_V2,
-            RUNNER_ENV,
-        )
+def say_runner() -> None:
+    """Where engines run Model Runner V2, say once what the V1 patches would have given and
+    how to get them. vLLM loads general plugins in every process it starts, before it builds
+    an engine's config (`EngineArgs.__post_init__`), so this runs once per process."""
+    if not vllm_is(compat.TARGET_VERSION) or runs_v1_model_runner():
+        return
+    logger.info(
+        "grpo-specdec: engines here run Model Runner V2 (full CUDA graphs for every k of a "
+        "concurrency-aware engine); the plugin's patches of V1 do not act there, so %s. Set "
+        "%s=0 for V1, whose graphs are then PIECEWISE under a per-step k",
+        LOST_ON_V2,
+        RUNNER_ENV,
+    )

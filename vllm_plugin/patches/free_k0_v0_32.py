@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_plugin.patches import runs_v1_model_runner
+from vllm_plugin.patches import runs_v1_model_runner, vllm_is
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -316,9 +316,8 @@ def _wrap_sample(original):
 
 
 def applies() -> bool:
-    import vllm
 
-    return vllm.__version__ == TARGET_VERSION and runs_v1_model_runner()
+    return vllm_is(TARGET_VERSION) and runs_v1_model_runner()
 
 
 def apply() -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_plugin.patches import runs_v1_model_runner
+from vllm_plugin.patches import runs_v1_model_runner, vllm_is
 
 TARGET_VERSION = "0.32.0"
 NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
@@ -160,9 +160,8 @@ def _wrap_init(original):
 
 
 def applies() -> bool:
-    import vllm
 
-    return vllm.__version__ == TARGET_VERSION and runs_v1_model_runner()
+    return vllm_is(TARGET_VERSION) and runs_v1_model_runner()
 
 
 def apply() -> bool:

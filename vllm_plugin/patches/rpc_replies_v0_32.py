@@ -73,9 +73,9 @@ def _wrap(original):
 
 
 def applies() -> bool:
-    import vllm
+    from vllm_plugin.patches import vllm_is
 
-    return vllm.__version__ == TARGET_VERSION
+    return vllm_is(TARGET_VERSION)
 
 
 def apply() -> bool:
