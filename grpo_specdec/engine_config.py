@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.modelcheck import (
     check_draft_matches_target,
     check_model_dir,
+    default_kv_cache_gib,
     resolve_max_model_len,
 )
 from vllm_plugin.settings import ControllerSettings
@@ -68,7 +69,19 @@ class EngineConfig(StrictModel):
         "the KV cache holds (resolved on validation)",
     )
     max_num_seqs: int = Field(256, ge=1)
-    kv_cache_gib: float = Field(1.0, gt=0)
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        validate_default=True,
+        description="KV cache size; default: 1 GiB on CPU, vLLM's own (a share of the "
+        "device's memory) on a GPU",
+    )
+
+    @field_validator("kv_cache_gib")
+    @classmethod
+    def _platform_kv_cache(cls, gib: float | None) -> float | None:
+        return default_kv_cache_gib() if gib is None else gib
+
     seed: int = 0
     enforce_eager: bool = False
     engine_process: Literal["in_process", "separate"] = "in_process"

@@ -128,10 +128,18 @@ def kv_values_per_token(cfg: dict) -> int | None:
         return None
 
 
+def default_kv_cache_gib() -> float | None:
+    """1 GiB of KV cache where engines run on the CPU; on a GPU None, leaving vLLM its own
+    default (`gpu_memory_utilization` of the device, less the weights and activations)."""
+    import torch
+
+    return None if torch.cuda.is_available() else 1.0
+
+
 def resolve_max_model_len(
     requested: int | None,
     model: str | Path,
-    kv_cache_gib: float,
+    kv_cache_gib: float | None,
     dtype: str = "auto",
     draft: str | Path | None = None,
 ) -> int:
@@ -140,7 +148,9 @@ def resolve_max_model_len(
     the KV cache holds: vLLM refuses to start unless one full-length sequence fits, and
     the draft's layers share the cache. With dtype "auto" the checkpoint's dtype is
     assumed, an upper bound, as vLLM's "auto" keeps or narrows it (x86 CPUs run float32
-    checkpoints in bfloat16): the cap may fall short of what fits, not beyond it."""
+    checkpoints in bfloat16): the cap may fall short of what fits, not beyond it. With no
+    `kv_cache_gib` (a GPU: vLLM sizes the cache from its memory share) the limit stands and
+    vLLM checks the fit itself as it starts."""
     cfg = read_config(model, "model")
     limit = position_limit(cfg)
     if requested is not None:
@@ -158,7 +168,7 @@ def resolve_max_model_len(
     values = [kv_values_per_token(cfg)]
     if draft is not None:
         values.append(kv_values_per_token(read_config(draft, "draft")))
-    if None in values:
+    if None in values or kv_cache_gib is None:
         return limit  # a layout this estimate does not know; vLLM checks the memory itself
     if dtype == "auto":
         dtype = cfg.get("dtype") or cfg.get("torch_dtype")

@@ -35,7 +35,7 @@ from vllm_plugin.controller import (
     profile_latency,
     timed_temperature,
 )
-from vllm_plugin.settings import profile_key, store_path
+from vllm_plugin.settings import engine_shape, profile_key, store_path
 
 
 class ProfileConfig(StrictModel):
@@ -94,7 +94,8 @@ def _time_steps(
     return decode, prefill
 
 
-def measure(cfg: ProfileConfig, log=print) -> list[dict]:
+def measure(cfg: ProfileConfig, log=print) -> tuple[list[dict], dict]:
+    """The timed steps, and the engine they were timed on (`settings.engine_shape`)."""
     max_batch = max(cfg.batch_sizes)
     engine = Engine(
         EngineConfig(
@@ -164,12 +165,12 @@ def measure(cfg: ProfileConfig, log=print) -> list[dict]:
                     f"B={batch:4d} k={k} context {context:4.0f} T={temp:g}: {ms:7.2f} ms/step "
                     f"over {len(samples)} steps"
                 )
-        return rows
+        return rows, engine_shape(engine.llm.llm_engine.vllm_config)
     finally:
         engine.shutdown()
 
 
-def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
+def build_profile(cfg: ProfileConfig, rows: list[dict], engine: dict) -> dict:
     """T, S and D fitted on the steps at short context, then the attention term on the
     long-context ones against that fit; the prefill and T = 1 sampling costs the
     simulator adds (`unprofiled`), where they were timed."""
@@ -200,6 +201,7 @@ def build_profile(cfg: ProfileConfig, rows: list[dict]) -> dict:
         unprofiled["prefill_ms_per_token"] = _slope([r["prompt_tokens"] for r in prefills], ms, ms)
     return {
         "key": profile_key(cfg.model, cfg.dtype, cfg.draft, cfg.draft_sampling),
+        "engine": engine,
         "latency": latency.to_dict(),
         "unprofiled": unprofiled,
         "fit_rms_ms": rms,
@@ -283,7 +285,7 @@ def plot_profile(profile: dict, path: str | Path) -> None:
 def run_profile(
     cfg: ProfileConfig, out: str | Path, plot: str | Path | None = None, log=print
 ) -> dict:
-    profile = build_profile(cfg, measure(cfg, log))
+    profile = build_profile(cfg, *measure(cfg, log))
     for path in {Path(out), store_path(profile["key"])}:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(profile, indent=1))

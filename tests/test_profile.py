@@ -34,7 +34,8 @@ def test_scheduler_finds_the_profile_saved_for_dtype_auto(
         for b in (1, 2, 4)
         for k in (0, 1, 2)
     ]
-    monkeypatch.setattr(profile, "measure", lambda cfg, log: rows)  # no timing needed
+    shape = {"runner": "V1", "async_scheduling": False, "cudagraph_mode": "NONE"}
+    monkeypatch.setattr(profile, "measure", lambda cfg, log: (rows, shape))  # no timing needed
     cfg = profile.ProfileConfig(model=tiny_target, draft=tiny_draft, dtype="auto")
     profile.run_profile(cfg, tmp_path / "profile.json", log=lambda msg: None)
     # A goodput engine given no profile looks it up in the store as it starts.
@@ -66,7 +67,9 @@ def test_profile_times_a_long_context_and_fits_its_attention_term(
         max_model_len=256,
         enforce_eager=True,
     )
-    rows = profile.measure(cfg, log=lambda msg: None)
+    rows, engine = profile.measure(cfg, log=lambda msg: None)
+    # what vLLM decided for the timed engine on CPU: V1, synchronous, no CUDA graphs
+    assert engine == {"runner": "V1", "async_scheduling": False, "cudagraph_mode": "NONE"}
     prefills = [r for r in rows if r.get("prefill")]
     steps = [r for r in rows if not r.get("prefill")]
     greedy = [r for r in steps if r["temperature"] == 0.0]
@@ -84,7 +87,8 @@ def test_profile_times_a_long_context_and_fits_its_attention_term(
     # The long prompts fill half the context (128 of 256 tokens): far beyond the short ones.
     assert min(r["context"] for r in long) == 128 + cfg.steps / 2
     assert max(r["context"] for r in short) < 100
-    built = profile.build_profile(cfg, rows)
+    built = profile.build_profile(cfg, rows, engine)
+    assert built["engine"] == engine and built["key"]["tensor_parallel_size"] == 1
     latency = built["latency"]
     assert latency["attention"] >= 0
     assert built["unprofiled"]["prefill_ms_per_token"] > 0
@@ -95,3 +99,30 @@ def test_profile_times_a_long_context_and_fits_its_attention_term(
     _, unprofiled = load_profile(out)
     assert unprofiled.prefill_ms_per_token == built["unprofiled"]["prefill_ms_per_token"]
     assert latency["context"] == pytest.approx(sum(r["context"] for r in short) / len(short))
+
+
+def test_a_profile_timed_on_another_kind_of_engine_is_refused_by_field(tmp_path):
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_plugin.settings import check_engine_shape
+
+    def engine(v2: bool, mode: CUDAGraphMode, async_scheduling: bool):
+        return SimpleNamespace(
+            use_v2_model_runner=v2,
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+            compilation_config=SimpleNamespace(cudagraph_mode=mode),
+        )
+
+    timed = {"engine": {"runner": "V1", "async_scheduling": False, "cudagraph_mode": "NONE"}}
+    path = tmp_path / "profile.json"
+    check_engine_shape(timed, path, engine(False, CUDAGraphMode.NONE, False))
+    check_engine_shape({}, path, engine(True, CUDAGraphMode.FULL_AND_PIECEWISE, True))  # older
+    with pytest.raises(
+        ValueError,
+        match=r"profile.json.*runner: profiled V1, this engine V2; "
+        r"async_scheduling: profiled False, this engine True; cudagraph_mode: "
+        r"profiled NONE, this engine FULL_AND_PIECEWISE",
+    ):
+        check_engine_shape(timed, path, engine(True, CUDAGraphMode.FULL_AND_PIECEWISE, True))

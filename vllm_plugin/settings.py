@@ -98,20 +98,57 @@ def hardware_name() -> str:
 PROFILE_FORMAT = 5
 
 
-def profile_key(model: str, dtype, draft: str | None, draft_sampling: str = "greedy") -> dict:
+def profile_key(
+    model: str,
+    dtype,
+    draft: str | None,
+    draft_sampling: str = "greedy",
+    tensor_parallel_size: int = 1,
+) -> dict:
     """What a latency profile is stored under. `dtype` may be as asked ("auto" too) or
     as vLLM chose it: the key holds the dtype the engine runs in, either way. Sampled
-    drafting costs differently (its steps are timed sampling at T = 1), so it is named."""
+    drafting costs differently (its steps are timed sampling at T = 1), so it is named, as
+    is the tensor-parallel size. What vLLM decides as the engine starts (runner, async
+    scheduling, graph mode) is kept in the profile itself (`engine_shape`) and checked when
+    it is loaded."""
     key = {
         "format": PROFILE_FORMAT,
         "model": str(Path(model).resolve()) if Path(model).exists() else model,
         "dtype": engine_dtype(model, dtype),
         "draft_arch": _draft_arch(draft),
         "hardware": hardware_name(),
+        "tensor_parallel_size": tensor_parallel_size,
     }
     if draft_sampling != "greedy":
         key["draft_sampling"] = draft_sampling
     return key
+
+
+def engine_shape(vllm_config) -> dict:
+    """What vLLM decided for an engine as it started that changes what its steps cost: the
+    model runner, async scheduling and the CUDA graph mode (NONE on CPU). (Its k_max need
+    not match: the latency model prices a step by its tokens, B (k + 1).)"""
+    from vllm_plugin.patches import engine_runner
+
+    return {
+        "runner": engine_runner(vllm_config),
+        "async_scheduling": bool(vllm_config.scheduler_config.async_scheduling),
+        "cudagraph_mode": vllm_config.compilation_config.cudagraph_mode.name,
+    }
+
+
+def check_engine_shape(profile: dict, path: Path, vllm_config) -> None:
+    """Refuse a profile timed on an engine whose steps cost differently from this one's."""
+    timed, running = profile.get("engine"), engine_shape(vllm_config)
+    if not timed:
+        return  # timed before profiles recorded it
+    differ = {f: (timed[f], running[f]) for f in running if timed[f] != running[f]}
+    if differ:
+        said = "; ".join(f"{f}: profiled {a}, this engine {b}" for f, (a, b) in differ.items())
+        raise ValueError(
+            f"latency profile {path} was timed on another kind of engine ({said}): run "
+            "`grpo-specdec profile` again on an engine started as this one is"
+        )
 
 
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -175,6 +212,7 @@ def load_latency(settings: ControllerSettings, vllm_config):
         vllm_config.model_config.dtype,
         spec.model if spec else None,
         spec.draft_sample_method if spec else "greedy",
+        tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
     )
     path = Path(settings.profile) if settings.profile else store_path(key)
     if not path.is_file():
@@ -185,4 +223,6 @@ def load_latency(settings: ControllerSettings, vllm_config):
             "` first, "
             f"or name a profile in the GRPO_SPECDEC_CONTROLLER settings"
         )
-    return profile_latency(json.loads(path.read_text()))
+    profile = json.loads(path.read_text())
+    check_engine_shape(profile, path, vllm_config)
+    return profile_latency(profile)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_specdec.config import DraftSampling, StrictModel, with_off
 from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import Aggregation
 from grpo_specdec.job.sharding import Sharding
+from grpo_specdec.modelcheck import default_kv_cache_gib
 from vllm_plugin.settings import ControllerSettings
 
 
@@ -69,7 +70,18 @@ class RolloutSettings(StrictModel):
     )
     controller: ControllerSettings = ControllerSettings()
     max_model_len: int | None = Field(None, ge=64, description="default: from the model")
-    kv_cache_gib: float = Field(1.0, gt=0)
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        validate_default=True,
+        description="per engine; default: 1 GiB on CPU, vLLM's own on a GPU",
+    )
+
+    @field_validator("kv_cache_gib")
+    @classmethod
+    def _platform_kv_cache(cls, gib: float | None) -> float | None:
+        return default_kv_cache_gib() if gib is None else gib
+
     enforce_eager: bool = False
     seeded: bool = Field(
         False,
