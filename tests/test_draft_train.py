@@ -20,7 +20,7 @@ from grpo_specdec.draft.bootstrap import (
 )
 from grpo_specdec.draft.capture import Sequence, capture_hidden
 from grpo_specdec.draft.head import load_head, new_head
-from grpo_specdec.draft.loss import acceptance, make_batch
+from grpo_specdec.draft.loss import acceptance, eagle_loss, make_batch
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from tests.conftest import run_cli
 
@@ -209,3 +209,37 @@ def test_total_variation_term_trains_for_sampled_acceptance(tiny_seqs, tiny_targ
     after = sampled_acceptance()
     assert after > before + 0.1, (before, after)
     assert stats[-1]["sampled_acceptance"] > stats[0]["sampled_acceptance"]
+
+
+def test_a_draft_step_builds_its_batch_on_the_heads_device(tiny_seqs, tiny_target):
+    """The sequences arrive on CPU. A head on the meta device (shapes, no data) fails on the
+    first CPU tensor an op meets, so a head forward that runs there was given only tensors
+    on the head's device: on a GPU, the same batch holds none on the CPU."""
+    target, seqs = tiny_seqs
+    head = new_head(tiny_target, target, seed=4).to("meta")  # its buffers too
+    batch = make_batch(seqs, next(head.parameters()).device)
+    assert {t.device.type for t in vars(batch).values()} == {"meta"}
+    assert head(batch.next_ids, batch.hidden_in, batch.positions).device.type == "meta"
+    on_cpu = make_batch(seqs)
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta|device"):
+        head(on_cpu.next_ids, on_cpu.hidden_in, on_cpu.positions)
+
+
+@pytest.mark.parametrize("tv_weight", [0.0, 1.0])
+def test_the_vocabulary_terms_in_chunks_equal_them_whole(tiny_seqs, tiny_target, tv_weight):
+    """Chunks of 7 rows, each recomputed in the backward pass, give the loss, statistics and
+    gradients of the whole batch at once."""
+    target, seqs = tiny_seqs
+    batch = make_batch(seqs)
+    grads, stats = [], []
+    for rows in (None, 7):
+        head = new_head(tiny_target, target, seed=5)
+        loss, s = eagle_loss(head, batch, tv_weight=tv_weight, rows_per_chunk=rows)
+        loss.backward()
+        grads.append([p.grad.clone() for p in head.parameters() if p.requires_grad])
+        stats.append(s)
+    assert batch.num_tokens > 7 * 3  # several chunks
+    for name in stats[0]:
+        assert stats[1][name] == pytest.approx(stats[0][name], rel=1e-5), name
+    for whole, chunked in zip(*grads, strict=True):
+        assert torch.allclose(whole, chunked, rtol=1e-4, atol=1e-6)

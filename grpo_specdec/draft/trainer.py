@@ -49,7 +49,7 @@ class DraftTrainer:
         cfg = self.cfg
         loss, stats = eagle_loss(
             self.head,
-            make_batch(seqs),
+            make_batch(seqs, next(self.head.parameters()).device),
             cfg.hidden_weight,
             cfg.ce_weight,
             cfg.tv_weight,

@@ -220,19 +220,20 @@ class PolicyLearner:
                 )
             for row, i in enumerate(idx):
                 n = len(batch.token_ids[i])
-                seqs.append(
-                    Sequence(
-                        batch.token_ids[i], batch.prompt_lens[i], hidden[row, :n].float().cpu()
-                    )
-                )
-        # The draft needs the policy's embedding and lm_head once: rank 0 sends them.
+                # In the dtype the policy computed them (bfloat16 for a bfloat16 policy: half
+                # what float32 would ship); the prompt's too, which the head attends over
+                # as vLLM's drafter does.
+                hidden_row = hidden[row, :n].detach().cpu()
+                seqs.append(Sequence(batch.token_ids[i], batch.prompt_lens[i], hidden_row))
+        # The draft pairs with the embedding and lm_head the engine will serve, which each
+        # policy update changes: rank 0 sends them every iteration, in the policy's dtype.
         embed, lm_head = (
             sharding.full_tensor(module.weight.detach())
             for module in (self.model.get_input_embeddings(), self.model.get_output_embeddings())
         )
         if self.rank != 0:
             return DraftData(seqs, None, None, self.version)
-        return DraftData(seqs, embed.float().cpu(), lm_head.float().cpu(), self.version)
+        return DraftData(seqs, embed.cpu(), lm_head.cpu(), self.version)
 
     def update(self) -> dict:
         """One GRPO step (per epoch) on the prepared rollout; groups without reward variance
