@@ -196,7 +196,9 @@ def reward_agreement(cfg, plain, ours, temperature: float) -> dict:
         engine.llm.reset_prefix_cache()
         groups = engine.generate([e.question for e in examples], sampling).outputs
         return [
-            statistics.mean(reward(s.text, e.answer, cfg.reward.format_bonus) for s in group)
+            statistics.mean(
+                reward(s.text, e.answer, cfg.reward.kind, cfg.reward.format_bonus) for s in group
+            )
             for group, e in zip(groups, examples, strict=True)
         ]
 

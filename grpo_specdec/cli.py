@@ -229,14 +229,15 @@ def _eval(args) -> None:
     from grpo_specdec.evaluate import (
         arithmetic_eval_set,
         evaluate,
-        jsonl_eval_set,
+        file_eval_set,
         policy_folder,
         report_line,
     )
     from grpo_specdec.job.models import resolve_model
 
+    args.reward = args.reward or ("math_verify" if args.data else "number")
     if args.data:
-        examples = jsonl_eval_set(args.data, args.num)
+        examples = file_eval_set(args.data, args.reward, args.num)
     else:
         levels = [int(x) for x in args.levels.split(",")]
         if any(not 1 <= lvl <= 4 for lvl in levels):
@@ -262,7 +263,9 @@ def _eval(args) -> None:
         return [[s.text for s in group] for group in result.outputs]
 
     try:
-        report = evaluate(generate, examples, args.max_tokens, args.samples, args.temperature)
+        report = evaluate(
+            generate, examples, args.max_tokens, args.samples, args.temperature, args.reward
+        )
     finally:
         engine.shutdown()
     report |= {"model": model, "data": args.data or f"arithmetic levels {args.levels}"}
@@ -392,7 +395,18 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="a model folder, 'smollm2', a checkpoint folder or a run folder (its latest)",
     )
-    ev.add_argument("--data", default=None, help="GSM8K-format JSONL ('... #### N' answers)")
+    ev.add_argument(
+        "--data",
+        default=None,
+        help="held-out problems: JSONL (GSM8K's fields), parquet (verl's) or a datasets folder",
+    )
+    ev.add_argument(
+        "--reward",
+        default=None,
+        choices=["math_verify", "number"],
+        help="the grader (tasks/rewards.py); default: number for the arithmetic task (as its "
+        "recipe trains), math_verify with --data (as the job's default)",
+    )
     ev.add_argument(
         "--task",
         default="arithmetic",

@@ -18,6 +18,7 @@ from pathlib import Path
 import vllm_plugin
 from grpo_specdec.engine_config import EngineConfig, SamplingSettings
 from grpo_specdec.modelcheck import draft_method
+from grpo_specdec.tasks.datasets import ChatPrompt
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin import patches
 from vllm_plugin.k_table import every_k_table
@@ -232,20 +233,24 @@ class Engine:
             )
 
     # ---- prompts -------------------------------------------------------------------------
-    def encode(self, prompt: str, chat: bool = True) -> list[int]:
-        """Token ids of a user prompt: through the chat template when the model has one."""
+    def encode(self, prompt: str | ChatPrompt, chat: bool = True) -> list[int]:
+        """Token ids of a prompt (a user turn, or chat turns): through the chat template when
+        the model has one, else its turns' text."""
         tok = self.tokenizer
         if chat and getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            messages = (
+                prompt.messages()
+                if isinstance(prompt, ChatPrompt)
+                else [{"role": "user", "content": prompt}]
             )
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return tok.encode(text, add_special_tokens=False)
-        return tok.encode(prompt)
+        return tok.encode(str(prompt))
 
     # ---- generation ----------------------------------------------------------------------
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: list[str | ChatPrompt] | list[list[int]],
         sampling: SamplingSettings,
         chat: bool = True,
         use_tqdm: bool = False,

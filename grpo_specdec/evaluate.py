@@ -14,18 +14,27 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo_specdec.tasks.datasets import ArithmeticSource, Example, JsonlSource
-from grpo_specdec.tasks.rewards import has_answer_format, is_correct
+from grpo_specdec.tasks.datasets import (
+    NO_TEMPLATE,
+    ArithmeticSource,
+    Example,
+    FileKind,
+    FileSource,
+    PromptTemplate,
+)
+from grpo_specdec.tasks.rewards import GRADERS, RewardKind, has_answer_format
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out split's seed, from the training data's
 TRAIN_QUESTIONS_CHECKED = 10_000  # ~40x what 60 minutes of the shipped recipe trains on
 
 
-def arithmetic_eval_set(seed: int, levels: list[int], n: int) -> list[Example]:
+def arithmetic_eval_set(
+    seed: int, levels: list[int], n: int, template: PromptTemplate = NO_TEMPLATE
+) -> list[Example]:
     """`n` held-out arithmetic problems, the levels in turn; the same for the same args."""
-    train = ArithmeticSource(seed, levels)
+    train = ArithmeticSource(seed, levels, template)
     seen = {train.get(i).question for i in range(TRAIN_QUESTIONS_CHECKED)}
-    held_out = ArithmeticSource(seed + EVAL_SEED_OFFSET, levels)
+    held_out = ArithmeticSource(seed + EVAL_SEED_OFFSET, levels, template)
     examples, index = [], 0
     while len(examples) < n:
         example = held_out.get(index)
@@ -35,9 +44,18 @@ def arithmetic_eval_set(seed: int, levels: list[int], n: int) -> list[Example]:
     return examples
 
 
-def jsonl_eval_set(path: str | Path, n: int | None = None) -> list[Example]:
-    """The first `n` (all: None) problems of a GSM8K-format file; errors name the line."""
-    examples = JsonlSource(path).examples
+def file_kind(path: str | Path) -> FileKind:
+    """A data file's format by its name: a folder is a `datasets` one (save_to_disk)."""
+    path = Path(path)
+    if path.is_dir():
+        return "datasets"
+    return "parquet" if path.suffix == ".parquet" else "jsonl"
+
+
+def file_eval_set(path: str | Path, kind: RewardKind, n: int | None = None) -> list[Example]:
+    """The first `n` (all: None) problems of a data file in its format's default fields
+    (`tasks/datasets.py`); errors name the file, row and field."""
+    examples = FileSource(path, file_kind(path), reward_kind=kind).examples
     return examples if n is None else examples[:n]
 
 
@@ -51,11 +69,18 @@ def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def score(examples: list[Example], greedy: list[str], sampled: list[list[str]] | None) -> dict:
-    """The report of one evaluation: greedy accuracy with its interval, the share of
-    answers stated in the answer format, and mean@G when samples were drawn."""
+def score(
+    examples: list[Example],
+    greedy: list[str],
+    sampled: list[list[str]] | None,
+    kind: RewardKind = "number",
+) -> dict:
+    """The report of one evaluation, graded by `kind` (`tasks/rewards.py`): greedy accuracy
+    with its interval, the share of answers stated in the answer format, and mean@G when
+    samples were drawn."""
     if len(greedy) != len(examples):
         raise ValueError(f"{len(greedy)} answers for {len(examples)} examples")
+    is_correct = GRADERS[kind]
     right = [is_correct(t, e.answer) for t, e in zip(greedy, examples, strict=True)]
     low, high = wilson_interval(sum(right), len(right))
     report = {
@@ -85,8 +110,10 @@ def evaluate(
     max_tokens: int,
     samples: int = 0,
     temperature: float = 1.0,
+    kind: RewardKind = "number",
 ) -> dict:
-    """Greedy answers to every example (and `samples` more at `temperature` each), scored."""
+    """Greedy answers to every example (and `samples` more at `temperature` each), scored
+    by `kind`."""
     prompts = [e.question for e in examples]
     greedy = generate(prompts, {"n": 1, "temperature": 0.0, "max_tokens": max_tokens})
     sampled = None
@@ -94,7 +121,7 @@ def evaluate(
         sampled = generate(
             prompts, {"n": samples, "temperature": temperature, "max_tokens": max_tokens}
         )
-    report = score(examples, [texts[0] for texts in greedy], sampled)
+    report = score(examples, [texts[0] for texts in greedy], sampled, kind)
     report["max_tokens"] = max_tokens
     return report
 

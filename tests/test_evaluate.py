@@ -40,7 +40,7 @@ def test_the_arithmetic_held_out_split_is_fixed_and_never_trained_on():
 
 
 def test_score_reads_greedy_accuracy_format_and_mean_at_g():
-    examples = [Example("q1", 7.0), Example("q2", 12.0), Example("q3", 3.0), Example("q4", 1.0)]
+    examples = [Example("q1", "7"), Example("q2", "12"), Example("q3", "3"), Example("q4", "1")]
     greedy = ["7", "The answer is 12.", "so 4", "none"]
     sampled = [["7", "8"], ["12", "12"], ["3", "3"], ["0", "2"]]
     report = score(examples, greedy, sampled)
@@ -108,10 +108,12 @@ def test_eval_command_reports_greedy_accuracy_mean_at_g_and_refuses_bad_input(
     )
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
-        '{"question": "1+1?", "answer": "2 #### 2"}\n{"question": "2+2?", "answer": "4"}\n'
+        '{"question": "1+1?", "answer": "2 #### 2"}\n{"question": "2+2?", "answer": "x/"}\n'
     )
-    proc = run_cli("eval", "--model", tiny_target, "--data", str(bad), check=False)
+    proc = run_cli(
+        "eval", "--model", tiny_target, "--data", str(bad), "--reward", "number", check=False
+    )
     assert proc.returncode == 2
-    assert f"{bad} line 2: answer has no '#### N' final answer" in proc.stderr
+    assert f"{bad} line 2: field 'answer': ground truth 'x/' is not a plain number" in proc.stderr
     proc = run_cli("eval", "--model", str(tmp_path), check=False)
     assert proc.returncode == 2 and "holds no weights" in proc.stderr

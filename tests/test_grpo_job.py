@@ -52,6 +52,27 @@ def _hf_greedy(learner, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def _verl_parquet(path: Path, n: int) -> Path:
+    """`n` level-1 arithmetic problems in verl's parquet layout (chat-turn prompts, the
+    ground truth under reward_model)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from grpo_specdec.tasks.datasets import ArithmeticSource
+
+    source = ArithmeticSource(0, [1])
+    rows = [
+        {
+            "data_source": "arithmetic",
+            "prompt": [{"role": "user", "content": source.get(i).question}],
+            "reward_model": {"style": "rule", "ground_truth": source.get(i).answer},
+        }
+        for i in range(n)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
 def _kill_before(job, iteration: int, actor, no_restart: bool) -> None:
     """`actor(job)` dies as `iteration` starts; with no_restart=False Ray restarts it."""
     import ray
@@ -75,6 +96,7 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
     from grpo_specdec.job.run import Job
 
     out = tmp_path / "run"
+    data = _verl_parquet(tmp_path / "train.parquet", 64)
     cfg = load_yaml(
         TrainConfig,
         CONFIG,
@@ -83,6 +105,9 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
             "rollout.controller.group.enabled=true",
             "rollout.length_budget.median=16",
             "rollout.max_gen_batches=2",
+            "data.source=parquet",
+            f"data.path={data}",
+            f"data.eval_path={data}",
         ],
     )
     job = Job(cfg)
@@ -90,6 +115,9 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
         job.run()
         records = job_records(out)
         assert [r["iteration"] for r in records] == [1, 2]
+        # The data came from verl's parquet layout, as chat turns, graded by math-verify.
+        assert job.source.get(0).question.messages()[0]["role"] == "user"
+        assert cfg.reward.kind == "math_verify"
         # Dynamic sampling: a second batch where the first had too few groups with reward
         # variance (the tiny policy rarely earns a reward), the policy trained on at most a
         # batch of them, the cursor past every prompt rolled out.

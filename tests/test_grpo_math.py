@@ -14,7 +14,6 @@ from grpo_specdec.grpo.core import (
     grpo_loss,
     k3_kl,
 )
-from grpo_specdec.tasks.datasets import JsonlSource
 from grpo_specdec.tasks.rewards import extract_answer, reward
 
 
@@ -106,11 +105,21 @@ def test_extract_answer_on_messy_text(text, expected):
     assert got == (None if expected is None else pytest.approx(expected))
 
 
-def test_reward_correctness_and_format_bonus():
-    assert reward("The answer is 16.", 16) == pytest.approx(1.1)
-    assert reward("16", 16) == pytest.approx(1.0)
-    assert reward("The answer is 15.", 16) == pytest.approx(0.1)
-    assert reward("nothing", 16) == 0.0
+@pytest.mark.parametrize("kind", ["number", "math_verify"])
+def test_reward_correctness_and_format_bonus(kind):
+    assert reward("The answer is 16.", "16", kind) == pytest.approx(1.1)
+    assert reward("16", "16", kind) == pytest.approx(1.0)
+    assert reward("The answer is 15.", "16", kind) == pytest.approx(0.1)
+    assert reward("nothing", "16", kind) == 0.0
+
+
+def _rollout(texts: list[list[str]], lengths: list[list[int]] | None = None):
+    from grpo_specdec.job.rollout_worker import Rollout
+
+    lengths = lengths or [[1] * len(ts) for ts in texts]
+    return Rollout(
+        [[0]] * len(texts), [[[0] * n for n in ns] for ns in lengths], texts, {}, 1.0, {}
+    )
 
 
 def test_the_jobs_rewards_carry_the_format_bonus_it_is_configured_with():
@@ -122,39 +131,36 @@ def test_the_jobs_rewards_carry_the_format_bonus_it_is_configured_with():
     from grpo_specdec.tasks.datasets import Example
 
     texts = [["The answer is 15.", "15", "The answer is 14.", "16"]]
-    examples = [Example("q", 16.0)]
-    with_bonus, correct = _rewards(examples, texts, 0.1)
+    examples = [Example("q", "16")]
+    bonus = RewardSettings(kind="number", format_bonus=0.1)
+    with_bonus, correct = _rewards(examples, _rollout(texts), bonus, 64)
     assert with_bonus[0].tolist() == pytest.approx([0.1, 0.0, 0.1, 1.0])
     assert correct.tolist() == [[0.0, 0.0, 0.0, 1.0]]
     wrong = [texts[0][:3]]
-    advantages, informative = group_advantages(_rewards(examples, wrong, 0.1)[0])
+    advantages, informative = group_advantages(_rewards(examples, _rollout(wrong), bonus, 64)[0])
     assert informative.tolist() == [True] and advantages.abs().max() == pytest.approx(1.414, 1e-3)
-    default = RewardSettings().format_bonus
-    assert default == 0.0
-    assert group_advantages(_rewards(examples, wrong, default)[0])[1].tolist() == [False]
+    default = RewardSettings()
+    assert default.format_bonus == 0.0 and default.kind == "math_verify"
+    informative = group_advantages(_rewards(examples, _rollout(wrong), default, 64)[0])[1]
+    assert informative.tolist() == [False]
 
 
-def test_gsm8k_jsonl_errors_name_file_and_line(tmp_path):
-    good = tmp_path / "ok.jsonl"
-    good.write_text(
-        '{"question": "q1", "answer": "work\\n#### 1,200"}\n\n{"question": "q2", "answer": "#### -3"}\n'
-    )
-    src = JsonlSource(good)
-    assert [src.get(0).answer, src.get(1).answer, src.get(2).answer] == [1200, -3, 1200]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(
-        '{"question": "q1", "answer": "#### 1"}\n{"question": "q2", "answer": "no marker"}\n'
-    )
-    with pytest.raises(ValueError, match=r"bad.jsonl line 2: answer has no '#### N'"):
-        JsonlSource(bad)
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"question": "q1", "answer": "#### 1"}\n{not json\n')
-    with pytest.raises(ValueError, match=r"broken.jsonl line 2: not valid JSON"):
-        JsonlSource(broken)
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n")
-    with pytest.raises(ValueError, match="holds no examples"):
-        JsonlSource(empty)
+def test_the_jobs_rewards_carry_the_overlong_penalty_and_grade_latex():
+    """reward.overlong is DAPO's soft penalty on each sample's own length: 0 up to
+    max_tokens - buffer, then down to -penalty at max_tokens; a LaTeX answer is graded by
+    math-verify, not by the last digit it holds."""
+    from grpo_specdec.job.config import RewardSettings
+    from grpo_specdec.job.run import _rewards
+    from grpo_specdec.tasks.datasets import Example
+
+    texts = [[r"\boxed{\frac{1}{2}}", r"\boxed{\frac{1}{2}}", "2", "0.5"]]
+    lengths = [[10, 48, 56, 64]]
+    cfg = RewardSettings(overlong={"buffer": 16, "penalty": 0.5})
+    rewards, correct = _rewards([Example("q", "0.5")], _rollout(texts, lengths), cfg, 64)
+    assert correct.tolist() == [[1.0, 1.0, 0.0, 1.0]]
+    assert rewards[0].tolist() == pytest.approx([1.0, 1.0, -0.25, 0.5])
+    wrong_truth = [Example("q", "2")]
+    assert _rewards(wrong_truth, _rollout(texts), cfg, 64)[1].tolist() == [[0, 0, 1, 0]]
 
 
 def test_token_entropy_is_that_of_the_distribution_each_next_token_is_sampled_from():

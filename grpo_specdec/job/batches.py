@@ -7,13 +7,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpo_specdec.job.config import DataSettings, RolloutSettings
-from grpo_specdec.tasks.datasets import ArithmeticSource, JsonlSource
+from grpo_specdec.tasks.datasets import ArithmeticSource, FileSource, PromptTemplate
+from grpo_specdec.tasks.rewards import RewardKind
 from grpo_specdec.tasks.tail_shape import with_budgets
 
 
-def prompt_source(cfg: DataSettings):
-    return (
-        JsonlSource(cfg.path) if cfg.source == "jsonl" else ArithmeticSource(cfg.seed, cfg.levels)
+def prompt_source(cfg: DataSettings, reward_kind: RewardKind, path: str | None = None):
+    """The job's problems: the arithmetic task, or the file at `path` (default data.path) in
+    data.source's format and fields; both with the config's prompt template."""
+    template = PromptTemplate(cfg.system_prompt, cfg.instruction)
+    if cfg.source == "arithmetic":
+        return ArithmeticSource(cfg.seed, cfg.levels, template)
+    return FileSource(
+        path or cfg.path,
+        cfg.source,
+        cfg.question_field,
+        cfg.answer_field,
+        reward_kind,
+        template,
     )
 
 

@@ -11,6 +11,7 @@ from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import Aggregation
 from grpo_specdec.job.sharding import Sharding
 from grpo_specdec.modelcheck import default_kv_cache_gib
+from grpo_specdec.tasks.rewards import RewardKind
 from vllm_plugin.settings import ControllerSettings
 
 
@@ -27,20 +28,42 @@ class ModelSettings(StrictModel):
 
 
 class DataSettings(StrictModel):
-    source: Literal["arithmetic", "jsonl"] = "arithmetic"
-    path: str | None = Field(None, description="GSM8K-format JSONL when source is jsonl")
+    source: Literal["arithmetic", "jsonl", "parquet", "datasets"] = Field(
+        "arithmetic",
+        description="the procedural arithmetic task, or problems from data.path: a JSONL file, "
+        "a parquet file, or a Hugging Face datasets folder (save_to_disk)",
+    )
+    path: str | None = Field(None, description="the data file or folder, with a file source")
+    question_field: str | None = Field(
+        None,
+        description="the row's prompt, dotted for nesting: a string or chat turns; default: "
+        "'question' (jsonl, datasets), 'prompt' (parquet, verl's layout)",
+    )
+    answer_field: str | None = Field(
+        None,
+        description="the row's ground truth (GSM8K's '... #### N' is cut to N); default: "
+        "'answer' (jsonl, datasets), 'reward_model.ground_truth' (parquet, verl's layout)",
+    )
+    system_prompt: str | None = Field(
+        None, description="a system turn before every prompt (a row's own system turn wins)"
+    )
+    instruction: str | None = Field(
+        None,
+        description="appended to every prompt's (last) user turn, e.g. "
+        "' Put the final answer in \\boxed{}.'",
+    )
     levels: list[int] = Field([1, 2], min_length=1)
     seed: int = 0
     eval_path: str | None = Field(
         None,
-        description="GSM8K-format JSONL of held-out problems for the job's evaluation; "
-        "default: the arithmetic task's held-out split (grpo_specdec/evaluate.py)",
+        description="held-out problems for the job's evaluation, in data.source's format and "
+        "fields; default: the arithmetic task's held-out split (grpo_specdec/evaluate.py)",
     )
 
     @model_validator(mode="after")
-    def _path_for_jsonl(self) -> DataSettings:
-        if self.source == "jsonl" and not self.path:
-            raise ValueError("data.path is required when data.source is jsonl")
+    def _path_for_files(self) -> DataSettings:
+        if self.source != "arithmetic" and not self.path:
+            raise ValueError(f"data.path is required when data.source is {self.source}")
         if any(not 1 <= lvl <= 4 for lvl in self.levels):
             raise ValueError(f"data.levels must lie in 1..4, got {self.levels}")
         return self
@@ -148,10 +171,23 @@ class EvalSettings(StrictModel):
     samples: int = Field(0, ge=0, description="also mean@G over this many samples at T = 1")
 
 
-class RewardSettings(StrictModel):
-    """The rule reward: 1 for the right final number, plus `format_bonus` for stating it as
-    "The answer is N" or \\boxed{N}."""
+class OverlongPenalty(StrictModel):
+    """DAPO's soft overlong punishment (`tasks/rewards.py` overlong_penalty): 0 up to
+    rollout.max_tokens - buffer tokens, then down to -penalty at rollout.max_tokens."""
 
+    buffer: int = Field(ge=1, description="tokens before rollout.max_tokens where it starts")
+    penalty: float = Field(1.0, ge=0)
+
+
+class RewardSettings(StrictModel):
+    """The rule reward: 1 for the right final answer, plus `format_bonus` for stating it as
+    "The answer is N" or \\boxed{N}, plus the overlong penalty when set."""
+
+    kind: RewardKind = Field(
+        "math_verify",
+        description="math_verify: Hugging Face's math-verify (LaTeX, \\boxed{}, fractions, sets, "
+        "units); number: the final number against a numeric ground truth",
+    )
     format_bonus: float = Field(
         0.0,
         ge=0,
@@ -159,6 +195,7 @@ class RewardSettings(StrictModel):
         "still learns the bonus at full strength, and a run at 0.1 learnt the format while "
         "its held-out accuracy fell 0.15 -> 0.02 (docs/benchmarks/learning_run.md)",
     )
+    overlong: OverlongPenalty | None = None
 
 
 class DraftSettings(StrictModel):
@@ -305,6 +342,15 @@ class TrainConfig(StrictModel):
                 f"ray.policy_gpus={ray_cfg.policy_gpus} with ray.policy_workers="
                 f"{ray_cfg.policy_workers} on cuda: NCCL needs one whole GPU per rank; "
                 "set ray.policy_gpus=1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_within_the_cap(self) -> TrainConfig:
+        overlong, cap = self.reward.overlong, self.rollout.max_tokens
+        if overlong and overlong.buffer > cap:
+            raise ValueError(
+                f"reward.overlong.buffer={overlong.buffer} exceeds rollout.max_tokens={cap}"
             )
         return self
 

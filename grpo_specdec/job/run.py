@@ -21,13 +21,13 @@ from pathlib import Path
 import ray
 import torch
 
-from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, jsonl_eval_set, report_line
+from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, report_line
 from grpo_specdec.grpo.core import first_informative, group_advantages
 from grpo_specdec.job.actors import start_ray
 from grpo_specdec.job.batches import Batch, batch_at, prompt_source
 from grpo_specdec.job.checkpoints import Checkpointer, read_state
 from grpo_specdec.job.compare import compare_rollout
-from grpo_specdec.job.config import TrainConfig
+from grpo_specdec.job.config import RewardSettings, TrainConfig
 from grpo_specdec.job.engine_setup import check_context_length
 from grpo_specdec.job.lifecycle import Roles
 from grpo_specdec.job.logs import VllmLog
@@ -35,7 +35,7 @@ from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_rec
 from grpo_specdec.job.models import resolve_model
 from grpo_specdec.job.roles import PolicyBatch
 from grpo_specdec.job.rollout_worker import Rollout
-from grpo_specdec.tasks.rewards import is_correct, reward
+from grpo_specdec.tasks.rewards import GRADERS, has_answer_format, overlong_penalty
 from vllm_plugin.manifest import read_manifest
 
 
@@ -53,11 +53,14 @@ class Job:
         self.out.mkdir(parents=True, exist_ok=True)
         self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
         self.log(f"vLLM's messages go to {self.vllm_log.path} (errors also here)")
-        self.source = prompt_source(cfg.data)
+        data, kind = cfg.data, cfg.reward.kind
+        self.source = prompt_source(data, kind)
         self.eval_examples = (
-            jsonl_eval_set(cfg.data.eval_path, cfg.eval.examples)
-            if cfg.data.eval_path
-            else arithmetic_eval_set(cfg.data.seed, cfg.data.levels, cfg.eval.examples)
+            prompt_source(data, kind, data.eval_path).examples[: cfg.eval.examples]
+            if data.eval_path
+            else arithmetic_eval_set(
+                data.seed, data.levels, cfg.eval.examples, self.source.template
+            )
         )
         self.weight_dtype = str(next(iter(read_manifest(base_policy).values()))[1]).removeprefix(
             "torch."
@@ -143,7 +146,7 @@ class Job:
             batch = batch_at(self.source, self.cursor + len(examples), cfg, self.cfg.seed)
             rounds.append(self.roles.roll_out(batch))
             gathered.append(Rollout.gather(rounds[-1]))
-            scores = _rewards(batch.examples, gathered[-1].texts, self.cfg.reward.format_bonus)
+            scores = _rewards(batch.examples, gathered[-1], self.cfg.reward, cfg.max_tokens)
             examples += batch.examples
             rewards.append(scores[0])
             correct.append(scores[1])
@@ -164,7 +167,9 @@ class Job:
             return Rollout.gather(self.roles.roll_out(batch, fixed_k)).texts
 
         max_tokens = e.max_tokens or self.cfg.rollout.max_tokens
-        report = evaluate(generate, self.eval_examples, max_tokens, e.samples)
+        report = evaluate(
+            generate, self.eval_examples, max_tokens, e.samples, kind=self.cfg.reward.kind
+        )
         return {"iteration": self.iteration, **report}
 
     def _evaluate_now(self) -> bool:
@@ -239,12 +244,24 @@ class Job:
 
 
 def _rewards(
-    examples: list, texts: list[list[str]], format_bonus: float
+    examples: list, rollout: Rollout, cfg: RewardSettings, max_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[prompt, sample] rule rewards, and whether each answer is right."""
-    pairs = list(zip(examples, texts, strict=True))
-    rewards = torch.tensor([[reward(t, e.answer, format_bonus) for t in ts] for e, ts in pairs])
-    correct = torch.tensor([[float(is_correct(t, e.answer)) for t in ts] for e, ts in pairs])
+    """[prompt, sample] rewards (`reward.kind`'s grade, the format bonus and the overlong
+    penalty), and whether each answer is right."""
+    is_correct = GRADERS[cfg.kind]
+    pairs = list(zip(examples, rollout.texts, rollout.responses, strict=True))
+    correct = torch.tensor([[float(is_correct(t, e.answer)) for t in ts] for e, ts, _ in pairs])
+    rewards = correct + torch.tensor(
+        [[cfg.format_bonus * has_answer_format(t) for t in ts] for _, ts, _ in pairs]
+    )
+    if cfg.overlong:
+        o = cfg.overlong
+        rewards += torch.tensor(
+            [
+                [overlong_penalty(len(r), max_tokens, o.buffer, o.penalty) for r in rs]
+                for *_, rs in pairs
+            ]
+        )
     return rewards, correct
 
 
