@@ -13,7 +13,7 @@ from grpo_specdec.runtime import apply_runtime
 def _models_tiny(args) -> None:
     from grpo_specdec.assets.tiny import build_tiny
 
-    print(build_tiny(args.out, seed=args.seed))
+    print(build_tiny(args.out, seed=args.seed, architecture=args.architecture))
 
 
 def _models_prepare(args) -> None:
@@ -291,9 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="build or prepare model assets").add_subparsers(
         dest="what", required=True
     )
-    tiny = models.add_parser("tiny", help="deterministic tiny Llama target + EAGLE draft for tests")
+    tiny = models.add_parser("tiny", help="deterministic tiny target + EAGLE drafts for tests")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--architecture",
+        default="llama",
+        choices=["llama", "qwen2", "qwen3"],
+        help="the target's: Llama, Qwen2 (q/k/v bias) or Qwen3 (q/k norms, untied lm_head)",
+    )
     tiny.set_defaults(func=_models_tiny)
     prep = models.add_parser("prepare", help="convert a packaged GGUF into a vLLM-loadable folder")
     prep.add_argument("name", choices=["smollm2"])

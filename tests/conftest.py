@@ -74,17 +74,25 @@ def _assets_cache() -> Path:
     return base / f"tiny-{digest}"
 
 
-@pytest.fixture(scope="session")
-def tiny_models() -> Path:
+def tiny_assets(architecture: str = "llama") -> Path:
+    """The tiny target of `architecture` and its heads (`grpo_specdec/assets/tiny.py`), built
+    once per version of the code that makes them."""
     out = _assets_cache()
+    if architecture != "llama":
+        out = out.with_name(f"{out.name}-{architecture}")
     out.parent.mkdir(parents=True, exist_ok=True)
     # Two xdist workers may both find the cache empty: one builds, the other waits.
     with open(out.parent / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "draft-reduced" / "model.safetensors").is_file():
-            proc = run_cli("models", "tiny", "--out", str(out))
+            proc = run_cli("models", "tiny", "--out", str(out), "--architecture", architecture)
             assert proc.stdout.strip().splitlines()[-1] == str(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    return tiny_assets()
 
 
 @pytest.fixture(scope="session")

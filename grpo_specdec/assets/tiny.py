@@ -1,9 +1,11 @@
-"""Deterministic tiny models for tests: a Llama target that writes varied text, and EAGLE heads.
+"""Deterministic tiny models for tests: a target that writes varied text, and EAGLE heads.
 
 The target (~0.6M parameters, its own byte-level BPE tokenizer) is trained for a few
 seconds on worked arithmetic solutions, so greedy outputs differ per prompt and equality
-tests mean something. The draft heads (full vocabulary, and a reduced one in EAGLE-3
-format) are distilled from that target's hidden states, so speculation is accepted often.
+tests mean something. It is a Llama by default; `architecture` builds the same recipe as a
+Qwen2 (bias on q/k/v) or a Qwen3 (q/k norms, an untied lm_head), the policies users bring.
+The draft heads (full vocabulary, and a reduced one in EAGLE-3 format) are distilled from
+that target's hidden states, so speculation is accepted often.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from grpo_specdec.draft.capture import Sequence, capture_hidden, pad_batch
 from grpo_specdec.draft.head import draft_vocabulary, new_head
@@ -21,6 +29,11 @@ from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.tasks.arithmetic import make_problems
 
 EOS = "<|endoftext|>"
+ARCHITECTURES = {
+    "llama": (LlamaConfig, "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 32}),
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -52,14 +65,20 @@ def _tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def build_tiny(
-    out: str | Path, seed: int = 0, target_steps: int = 400, draft_epochs: int = 6
+    out: str | Path,
+    seed: int = 0,
+    target_steps: int = 400,
+    draft_epochs: int = 6,
+    architecture: str = "llama",
 ) -> Path:
     out = Path(out)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     pairs = _corpus(1200, seed)
     tok = _tokenizer([p + r for p, r in pairs], vocab_size=1024)
-    cfg = LlamaConfig(
+    config_cls, hf_architecture, specific = ARCHITECTURES[architecture]
+    cfg = config_cls(
+        **specific,
         vocab_size=len(tok),
         hidden_size=128,
         intermediate_size=384,
@@ -68,13 +87,12 @@ def build_tiny(
         num_key_value_heads=2,
         max_position_embeddings=1024,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
         bos_token_id=tok.eos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.eos_token_id,
         dtype="float32",
     )
-    target = LlamaForCausalLM(cfg)
+    target = AutoModelForCausalLM.from_config(cfg)
     seqs = [
         Sequence(
             tok.encode(p, add_special_tokens=False) + tok.encode(r, add_special_tokens=False), 0
@@ -90,7 +108,7 @@ def build_tiny(
         loss.backward()
         opt.step()
     target.eval()
-    target.config.architectures = ["LlamaForCausalLM"]
+    target.config.architectures = [hf_architecture]
     target.save_pretrained(out / "target")
     tok.save_pretrained(out / "target")
 

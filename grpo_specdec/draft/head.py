@@ -36,6 +36,17 @@ from transformers.models.llama.modeling_llama import (
 from grpo_specdec.modelcheck import check_draft_matches_target, read_config
 
 WEIGHTS_FILE = "model.safetensors"
+# Target config keys that describe the target's own layer stack or loading, not a one-layer
+# Llama head: Qwen2/Qwen3's per-layer attention types and sliding-window plan (a LlamaConfig
+# with one layer refuses a layer_types list of the target's length), quantisation, remote code.
+TARGET_ONLY_KEYS = (
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "quantization_config",
+    "auto_map",
+)
 
 
 class DraftHead(nn.Module):
@@ -49,7 +60,7 @@ class DraftHead(nn.Module):
     ):
         super().__init__()
         cfg = {k: v for k, v in target_config.items() if not k.startswith("_")}
-        for key in ("quantization_config", "auto_map"):
+        for key in TARGET_ONLY_KEYS:
             cfg.pop(key, None)
         cfg.update(architectures=[self.ARCHITECTURE], num_hidden_layers=1, model_type="llama")
         self.config = cfg
