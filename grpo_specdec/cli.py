@@ -75,6 +75,12 @@ def _generate(args) -> None:
     )
 
 
+def _draft_import(args) -> None:
+    from grpo_specdec.draft.formats import import_head
+
+    print(import_head(args.head, args.target, args.out))
+
+
 def _draft_train(args) -> None:
     from grpo_specdec.draft.bootstrap import DraftBootstrapConfig, bootstrap_draft
 
@@ -331,6 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
     draft = sub.add_parser("draft", help="EAGLE draft heads").add_subparsers(
         dest="what", required=True
     )
+    dimport = draft.add_parser(
+        "import",
+        help="a published head (EAGLE-1, EAGLE-3, speculators layouts) in the layout vLLM serves "
+        "and the job keeps learning",
+    )
+    dimport.add_argument("--head", required=True, help="the published head's folder")
+    dimport.add_argument("--target", required=True, help="the target model folder it drafts for")
+    dimport.add_argument("--out", required=True)
+    dimport.set_defaults(func=_draft_import)
     dtrain = draft.add_parser("train", help="train a draft head on the target's own generations")
     dtrain.add_argument("--target", required=True)
     src = dtrain.add_mutually_exclusive_group(required=True)

@@ -1,0 +1,163 @@
+"""Draft heads as they are published, read into the layout vLLM 0.32 serves and this project
+keeps learning (`head.py`): `grpo-specdec draft import --head SRC --target T --out OUT`.
+
+Layouts read, with vLLM's own renames:
+- EAGLE-1 (the EAGLE authors' heads): `pytorch_model.bin` or safetensors; a `LlamaForCausalLM`
+  config, or one nested under "model" with model_type "eagle"; `fc.weight` [H, 2H],
+  `layers.0.*`, often `embed_tokens.weight` and `fc.bias`.
+- EAGLE-3 (the authors' and SpecForge's): `LlamaForCausalLMEagle3`, `midlayer.*` (vLLM reads it
+  as `layers.0.`), a draft vocabulary (`lm_head.weight` [V_d, H], `d2t`, `t2d`), `norm.weight`.
+- `speculators` (vLLM's library): `Eagle3Speculator` (speculators_model_type "eagle3"), the
+  layer's config under `transformer_layer_config`. The library itself is not used: it
+  requires torchvision and torchaudio (whose CUDA builds break `import transformers` beside
+  the CPU torch) and datasets<=5.1.
+What becomes of the parts that are not in this project's layout:
+- `embed_tokens.weight`: the head is trained on the target's frozen embedding and vLLM then
+  shares the target's; dropped when it equals the target's, else refused.
+- `t2d`: vLLM drops it; so does the import.
+- `fc.bias`: vLLM 0.32's EAGLE head has no bias there, so it could not serve it: dropped when
+  all zeros, else refused.
+- `fc.weight` over three auxiliary target layers ([H, 3H], a true EAGLE-3 head): refused by
+  name; this project captures only the target's last layer so far.
+A head whose shapes do not fit the target is refused with the field or tensor named.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from grpo_specdec.draft.head import new_head
+from grpo_specdec.modelcheck import read_config
+
+EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
+
+
+class HeadFormatError(ValueError):
+    """A published head this project cannot serve or train; the message names the part."""
+
+
+def head_config(folder: Path) -> dict:
+    """The head's own config: top level, nested under "model" (model_type "eagle"), or a
+    speculators config's `transformer_layer_config` with the draft vocabulary added."""
+    cfg = read_config(folder, "draft")
+    if cfg.get("model_type") == "eagle" and isinstance(cfg.get("model"), dict):
+        return cfg["model"]
+    if cfg.get("speculators_model_type") or "transformer_layer_config" in cfg:
+        layer = dict(cfg.get("transformer_layer_config") or {})
+        if "draft_vocab_size" in cfg:
+            layer["draft_vocab_size"] = cfg["draft_vocab_size"]
+        layer["architectures"] = cfg.get("architectures", [])
+        return layer
+    return cfg
+
+
+def head_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the head, under vLLM's names (`model.` stripped, `midlayer.` read as
+    `layers.0.`): from its safetensors files, or a `pytorch_model.bin`."""
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        raw = {k: v for f in files for k, v in load_file(str(f)).items()}
+    elif (folder / "pytorch_model.bin").is_file():
+        raw = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise HeadFormatError(f"draft: {folder} holds no *.safetensors or pytorch_model.bin")
+    weights = {}
+    for name, tensor in raw.items():
+        name = name.removeprefix("model.")
+        if name.startswith("midlayer."):
+            name = "layers.0." + name.removeprefix("midlayer.")
+        weights[name] = tensor
+    return weights
+
+
+def target_embedding(target_dir: Path) -> torch.Tensor:
+    for f in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in EMBED_NAMES:
+                if name in st.keys():
+                    return st.get_tensor(name)
+    raise HeadFormatError(f"model: no embed_tokens weight in {target_dir}")
+
+
+def _check_fits(cfg: dict, target_cfg: dict, folder: Path) -> None:
+    for key in ("hidden_size", "vocab_size"):
+        if key in cfg and cfg[key] != target_cfg.get(key):
+            raise HeadFormatError(
+                f"draft: {folder} was built for {key}={cfg[key]}, but the target has "
+                f"{key}={target_cfg.get(key)}"
+            )
+
+
+def _drop_extras(weights: dict, target_dir: Path, folder: Path) -> None:
+    """Drop what vLLM drops or shares (embedding, t2d, a zero fc bias); refuse the rest."""
+    weights.pop("t2d", None)
+    if "embed_tokens.weight" in weights:
+        own = weights.pop("embed_tokens.weight")
+        target = target_embedding(target_dir)
+        if own.shape != target.shape or not torch.equal(own.to(target.dtype), target):
+            raise HeadFormatError(
+                f"draft: {folder}'s embed_tokens.weight differs from the target's: heads here "
+                "learn on the target's frozen embedding (as vLLM shares it), so this head's "
+                "drafts would change"
+            )
+    bias = weights.pop("fc.bias", None)
+    if bias is not None and bias.abs().max() > 0:
+        raise HeadFormatError(
+            f"draft: {folder} has a non-zero fc.bias; vLLM 0.32's EAGLE head has no bias there "
+            "and could not serve it"
+        )
+
+
+def import_head(src: str | Path, target_dir: str | Path, out: str | Path) -> Path:
+    """Read the head at `src` in any layout above and write it in this project's (vLLM's
+    `EagleLlamaForCausalLM`, or `LlamaForCausalLMEagle3` with a draft vocabulary) to `out`."""
+    from transformers import AutoModelForCausalLM
+
+    folder, target_dir = Path(src), Path(target_dir)
+    cfg, target_cfg = head_config(folder), read_config(target_dir, "model")
+    _check_fits(cfg, target_cfg, folder)
+    weights = head_weights(folder)
+    _drop_extras(weights, target_dir, folder)
+    hidden = target_cfg["hidden_size"]
+    fc = weights.get("fc.weight")
+    if fc is not None and fc.shape[1] == 3 * hidden:
+        raise HeadFormatError(
+            f"draft: {folder} is an EAGLE-3 head over three auxiliary target layers (fc.weight "
+            f"{list(fc.shape)}); this project learns heads on the target's last layer only so far"
+        )
+    if fc is not None and list(fc.shape) != [hidden, 2 * hidden]:
+        raise HeadFormatError(
+            f"draft: {folder}'s fc.weight is {list(fc.shape)}, expected [{hidden}, {2 * hidden}] "
+            f"for a target of hidden_size={hidden}"
+        )
+    vocab_ids = None
+    if fc is None:
+        if "d2t" not in weights:
+            raise HeadFormatError(
+                f"draft: {folder} has neither fc.weight (EAGLE-1) nor d2t (a draft vocabulary)"
+            )
+        d2t = weights["d2t"].long()
+        vocab_ids = d2t + torch.arange(len(d2t))
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    head = new_head(target_dir, target, vocab_ids=vocab_ids)
+    expected = {k: v.shape for k, v in head.export_state_dict().items()}
+    for name, shape in expected.items():
+        if name in weights and weights[name].shape != shape:
+            raise HeadFormatError(
+                f"draft: {folder}'s {name} is {list(weights[name].shape)}, a head for this "
+                f"target has {list(shape)}"
+            )
+    try:
+        head.load_export_state_dict(
+            {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+        )
+    except ValueError as err:
+        raise HeadFormatError(f"draft: {folder}: {err}") from None
+    out = head.save(out)
+    (out / "imported_from.json").write_text(json.dumps({"source": str(folder)}, indent=1))
+    return out

@@ -1,0 +1,175 @@
+"""Published draft-head layouts (`grpo_specdec/draft/formats.py`), built here from the tiny
+heads in each exact public key layout (no download): EAGLE-1 as its authors publish it, a
+nested "eagle" config, EAGLE-3 with `midlayer.*`/`d2t`/`t2d`, and `speculators`. Each is
+imported, served by vLLM exactly as the native head, and keeps learning; a head that does not
+fit is refused with the part named."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from grpo_specdec.draft.formats import HeadFormatError, import_head, target_embedding
+from tests.conftest import run_cli
+
+
+def _native(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def _config(folder) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())
+
+
+def eagle1_published(tiny_target, tiny_draft, out: Path, nested: bool = False, bias=0.0) -> Path:
+    """The EAGLE authors' layout: a LlamaForCausalLM config, pytorch_model.bin with fc.bias
+    and a copy of the target's embedding."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {**_config(tiny_draft), "architectures": ["LlamaForCausalLM"]}
+    if nested:
+        cfg = {"model_type": "eagle", "model": cfg}
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = dict(_native(tiny_draft))
+    weights["fc.bias"] = torch.full((weights["fc.weight"].shape[0],), bias)
+    weights["embed_tokens.weight"] = target_embedding(Path(tiny_target)).clone()
+    if nested:
+        save_file({f"model.{k}": v for k, v in weights.items()}, str(out / "model.safetensors"))
+    else:
+        torch.save(weights, out / "pytorch_model.bin")
+    return out
+
+
+def eagle3_published(tiny_target, tiny_reduced_draft, out: Path, speculators=False) -> Path:
+    """EAGLE-3's layout (midlayer.*, d2t and a t2d mask), or the speculators library's."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = _config(tiny_reduced_draft)
+    if speculators:
+        cfg = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "draft_vocab_size": cfg["draft_vocab_size"],
+            "transformer_layer_config": {k: v for k, v in cfg.items() if k != "architectures"},
+        }
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = {}
+    for name, tensor in _native(tiny_reduced_draft).items():
+        if not speculators and name.startswith("layers.0."):
+            name = "midlayer." + name.removeprefix("layers.0.")
+        weights[name] = tensor
+    vocab = _config(tiny_target)["vocab_size"]
+    d2t = weights["d2t"]
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[d2t + torch.arange(len(d2t))] = True
+    weights["t2d"] = t2d
+    weights["embed_tokens.weight"] = target_embedding(Path(tiny_target)).clone()
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["eagle1", "eagle1-nested", "eagle3", "speculators"])
+def test_each_published_layout_imports_to_the_native_head(
+    layout, tiny_target, tiny_draft, tiny_reduced_draft, tmp_path
+):
+    if layout.startswith("eagle1"):
+        src = eagle1_published(tiny_target, tiny_draft, tmp_path / "src", nested="nested" in layout)
+        native = tiny_draft
+    else:
+        src = eagle3_published(
+            tiny_target, tiny_reduced_draft, tmp_path / "src", speculators=layout == "speculators"
+        )
+        native = tiny_reduced_draft
+    out = import_head(src, tiny_target, tmp_path / "out")
+    got, want = _native(out), _native(native)
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert _config(out)["architectures"] == _config(native)["architectures"]
+
+
+def test_an_imported_head_serves_as_the_native_one_and_keeps_learning(
+    tiny_target, tiny_draft, tmp_path, questions, job_profile
+):
+    """vLLM serves the imported EAGLE-1 head (via the CLI) with the native head's acceptance,
+    token for token; the learner loads it and a training step moves it."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_specdec.draft.capture import Sequence, capture_hidden
+    from grpo_specdec.draft.head import load_head
+    from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
+    from grpo_specdec.engine import Engine, SamplingSettings
+    from tests.conftest import tiny_engine_config
+
+    src = eagle1_published(tiny_target, tiny_draft, tmp_path / "src")
+    out = tmp_path / "out"
+    proc = run_cli(
+        "draft", "import", "--head", str(src), "--target", tiny_target, "--out", str(out)
+    )
+    assert proc.stdout.strip().splitlines()[-1] == str(out)
+    sampling = SamplingSettings(max_tokens=32)
+    spec = {}
+    for name, head in (("native", tiny_draft), ("imported", str(out))):
+        engine = Engine(tiny_engine_config(tiny_target, head))
+        try:
+            result = engine.generate(questions[:6], sampling)
+        finally:
+            engine.shutdown()
+        spec[name] = (result.spec, [g[0].token_ids for g in result.outputs])
+    assert spec["imported"] == spec["native"] and spec["native"][0]["accepted_tokens"] > 0
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    head = load_head(out, tiny_target, target)
+    before = {k: v.clone() for k, v in head.export_state_dict().items()}
+    seqs = capture_hidden(target, [Sequence(list(range(3, 40)), 8)], batch_size=1)
+    trainer = DraftTrainer(head, DraftTrainConfig(lr=1e-3, batch_size=1, epochs=1))
+    trainer.train(seqs, random.Random(0))
+    assert trainer.steps == 1
+    after = head.export_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_heads_that_do_not_fit_are_refused_by_name(
+    tiny_target, tiny_draft, tiny_reduced_draft, tmp_path
+):
+    biased = eagle1_published(tiny_target, tiny_draft, tmp_path / "biased", bias=0.01)
+    with pytest.raises(HeadFormatError, match="non-zero fc.bias"):
+        import_head(biased, tiny_target, tmp_path / "o1")
+
+    other_embed = eagle1_published(tiny_target, tiny_draft, tmp_path / "embed")
+    weights = torch.load(other_embed / "pytorch_model.bin", weights_only=True)
+    weights["embed_tokens.weight"] = weights["embed_tokens.weight"] + 1
+    torch.save(weights, other_embed / "pytorch_model.bin")
+    with pytest.raises(HeadFormatError, match="embed_tokens.weight differs from the target's"):
+        import_head(other_embed, tiny_target, tmp_path / "o2")
+
+    wide = eagle1_published(tiny_target, tiny_draft, tmp_path / "wide")
+    cfg = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 4096}))
+    with pytest.raises(HeadFormatError, match="built for hidden_size=4096, but the target has"):
+        import_head(wide, tiny_target, tmp_path / "o3")
+
+    aux = eagle3_published(tiny_target, tiny_reduced_draft, tmp_path / "aux", speculators=True)
+    weights = load_file(str(aux / "model.safetensors"))
+    hidden = _config(tiny_target)["hidden_size"]
+    weights["fc.weight"] = torch.zeros(hidden, 3 * hidden)
+    save_file(weights, str(aux / "model.safetensors"))
+    with pytest.raises(HeadFormatError, match=r"EAGLE-3 head over three auxiliary target layers"):
+        import_head(aux, tiny_target, tmp_path / "o4")
+
+    short = eagle1_published(tiny_target, tiny_draft, tmp_path / "short")
+    weights = torch.load(short / "pytorch_model.bin", weights_only=True)
+    weights["layers.0.mlp.up_proj.weight"] = weights["layers.0.mlp.up_proj.weight"][:-1]
+    torch.save(weights, short / "pytorch_model.bin")
+    with pytest.raises(HeadFormatError, match=r"layers.0.mlp.up_proj.weight is \[\d+, \d+\]"):
+        import_head(short, tiny_target, tmp_path / "o5")
+
+    shutil.rmtree(short)
+    short.mkdir()
+    (short / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HeadFormatError, match="no \\*.safetensors or pytorch_model.bin"):
+        import_head(short, tiny_target, tmp_path / "o6")
