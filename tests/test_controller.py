@@ -335,6 +335,35 @@ def test_a_per_sequence_attention_cost_does_not_price_drafting_deeper():
     assert per_query.choose(2, 4096) < per_query.choose(2)
 
 
+@pytest.mark.parametrize(
+    "per_seq, per_query",
+    [(0.004, 0.0), (0.0, 0.004), (0.003, 0.0005)],
+    ids=["per sequence only", "per query token only", "both"],
+)
+@pytest.mark.parametrize("context", [512, 4096])
+def test_the_policy_prices_the_context_with_whatever_attention_term_was_fitted(
+    per_seq, per_query, context
+):
+    """The k chosen at a context is the goodput argmax of the latency model at that context
+    (rounded to the policy's step), whichever attention term the profile fitted (a fit of
+    "255 + 0 ns" per query token has happened: a per-sequence term alone)."""
+    latency = LatencyModel(
+        HingeLatency(10.0, 0.5, 8.0),
+        LinearCost(0.3, 0.05),
+        attention=per_query,
+        attention_per_seq=per_seq,
+        context=128.0,
+    )
+    acceptance = FrozenAcceptance([0.5] * K_MAX)
+    policy = GoodputPolicy(latency, acceptance, MAX_BATCH)
+    b = np.arange(1, MAX_BATCH + 1, dtype=float)[:, None]
+    k = np.arange(K_MAX + 1, dtype=float)[None, :]
+    priced_at = GoodputPolicy.CONTEXT_STEP * round(context / GoodputPolicy.CONTEXT_STEP)
+    goodput = b * acceptance.optimistic_tokens()[None, :] / latency.step_ms(b, k, priced_at)
+    expected = np.minimum.accumulate(goodput.argmax(axis=1))
+    assert policy.table(context).tolist() == expected.tolist()
+
+
 def test_profiles_fitted_with_a_one_part_attention_term_are_refitted_from_their_steps():
     latency = LatencyModel(HingeLatency(10.0, 0.5, 8.0), LinearCost(0.3, 0.05), context=100.0)
     ms = _two_part_steps(latency, 0.003, 0.0005)

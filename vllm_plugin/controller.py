@@ -378,7 +378,7 @@ class GoodputPolicy:
     def table(self, context: float | None = None) -> np.ndarray:
         """k for batch sizes 1..max_batch under the current acceptance estimates, at the
         requests' mean `context` (None: the profile's own)."""
-        if context is not None and self.latency.attention:
+        if context is not None and self.latency.prices_attention:
             context = self.CONTEXT_STEP * round(context / self.CONTEXT_STEP)
         else:
             context = None
