@@ -112,6 +112,7 @@ def test_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
     def save_roles(folder):
         (folder / "policy").mkdir()
         (folder / "policy" / "model.safetensors").write_bytes(b"weights")
+        (folder / "policy" / "config.json").write_text("{}")
         (folder / "policy_state.pt").write_bytes(b"state")
 
     final = Checkpointer(root).write(3, 7, {}, save_roles)

@@ -124,12 +124,20 @@ def test_engines_serving_different_versions_are_refused():
 # ---- checkpointer --------------------------------------------------------------------
 
 
-def _write(checkpointer, iteration, cursor=0):
+def _roles_writing(content: str):
+    """A stand-in for the roles' save: the files every checkpoint holds."""
+
     def save_roles(folder):
         (folder / "policy").mkdir()
-        (folder / "policy" / "weights").write_text(str(iteration))
+        (folder / "policy" / "weights").write_text(content)
+        (folder / "policy" / "config.json").write_text("{}")
+        (folder / "policy_state.pt").write_bytes(b"")
 
-    return checkpointer.write(iteration, cursor, {"iterations": 9}, save_roles)
+    return save_roles
+
+
+def _write(checkpointer, iteration, cursor=0):
+    return checkpointer.write(iteration, cursor, {"iterations": 9}, _roles_writing(str(iteration)))
 
 
 def test_checkpoints_are_written_whole_named_latest_and_never_overwritten(tmp_path):
@@ -147,6 +155,10 @@ def test_checkpoints_are_written_whole_named_latest_and_never_overwritten(tmp_pa
     with pytest.raises(OSError):
         ckpts.write(2, 0, {}, lambda folder: (_ for _ in ()).throw(OSError("disk full")))
     assert ckpts.latest() == first
+    # Nor one the roles wrote nothing into (on a cluster, an `out` the nodes do not share).
+    with pytest.raises(OSError, match=r"the roles wrote no policy/config.json, policy_state.pt"):
+        ckpts.write(2, 0, {}, lambda folder: None)
+    assert ckpts.latest() == first
     # Restoring gives the place in the data, and Python's RNG as it was when written.
     random.seed(99)
     assert ckpts.restore(first) == (1, 4)
@@ -159,11 +171,32 @@ def test_checkpoints_are_written_whole_named_latest_and_never_overwritten(tmp_pa
 def test_a_resume_point_is_checked_whole_before_anything_moves(tmp_path):
     ckpts = Checkpointer(tmp_path / "checkpoints", log=lambda _: None)
     first, second = _write(ckpts, 1), _write(ckpts, 2)
-    with pytest.raises(ValueError, match=f"checkpoint {first} policy: .* holds no config.json"):
+    with pytest.raises(ValueError, match=rf"checkpoint {first} policy: .* holds no \*.safetensors"):
         ckpts.start_point(str(first))
     assert ckpts.latest() == second and second.is_dir()  # the timeline left as it was
     with pytest.raises(FileNotFoundError, match="no checkpoint found"):
         ckpts.start_point(str(tmp_path / "nowhere"))
+
+
+def test_a_resume_that_reads_other_data_is_refused_before_anything_moves(tmp_path, monkeypatch):
+    """The data cursor counts examples of the checkpoint's data: a resume whose config reads
+    other data (here data.seed and data.levels changed) is refused with each field named, and
+    the timeline stays as it was; other settings (the learning rate) may change."""
+    from grpo_specdec.job import checkpoints
+
+    monkeypatch.setattr(checkpoints, "check_checkpoint", lambda path: None)
+    ckpts = Checkpointer(tmp_path / "checkpoints", log=lambda _: None)
+    saved = {"data": {"source": "arithmetic", "levels": [1, 2], "seed": 0}, "seed": 0}
+
+    first = ckpts.write(1, 8, {**saved, "policy": {"lr": 1e-6}}, _roles_writing("1"))
+    second = ckpts.write(2, 16, {**saved, "policy": {"lr": 1e-6}}, _roles_writing("2"))
+    other = {"data": {"source": "arithmetic", "levels": [1], "seed": 1}, "seed": 0}
+    with pytest.raises(
+        ValueError, match=r"data.levels: \[1, 2\] -> \[1\]; data.seed: 0 -> 1\), so the data cursor"
+    ):
+        ckpts.start_point(str(first), {**other, "policy": {"lr": 1e-6}})
+    assert ckpts.latest() == second and second.is_dir()
+    assert ckpts.start_point(str(first), {**saved, "policy": {"lr": 1e-7}}) == first
 
 
 # ---- metrics, batches ------------------------------------------------------------------
@@ -175,6 +208,23 @@ def test_truncate_records_keeps_each_iteration_up_to_the_restart_point(tmp_path)
     truncate_records(path, 2)
     assert [json.loads(line)["iteration"] for line in path.read_text().splitlines()] == [1, 2]
     truncate_records(tmp_path / "absent.jsonl", 0)  # a first start has none
+    # The abandoned iteration's record is kept beside, not lost.
+    aside = tmp_path / "metrics.after_iteration_2.jsonl"
+    assert [json.loads(line)["iteration"] for line in aside.read_text().splitlines()] == [3]
+
+
+def test_a_record_torn_by_a_kill_mid_append_does_not_block_a_resume(tmp_path):
+    """SIGKILL while appending leaves a last line with no newline: it is dropped; a bad
+    line anywhere else is an error naming the file and line."""
+    path = tmp_path / "metrics.jsonl"
+    whole = "".join(json.dumps({"iteration": i}) + "\n" for i in (1, 2))
+    path.write_text(whole + '{"iteration": 3, "rew')
+    truncate_records(path, 2)
+    assert path.read_text() == whole
+    path.write_text('{"iteration": 1}\n{"iter\n{"iteration": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl line 2: not a JSON record"):
+        truncate_records(path, 2)
+    assert path.read_text().startswith('{"iteration": 1}')  # left as it was
 
 
 class _Source:

@@ -12,6 +12,7 @@ from grpo_specdec.config import StrictModel
 from grpo_specdec.draft.capture import Sequence
 from grpo_specdec.draft.head import DraftHead
 from grpo_specdec.draft.loss import eagle_loss, make_batch
+from grpo_specdec.optimizer_state import configured_settings_kept
 
 
 class DraftTrainConfig(StrictModel):
@@ -100,5 +101,6 @@ class DraftTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.head.load_export_state_dict(state["head"])
-        self.opt.load_state_dict(state["opt"])
+        with configured_settings_kept(self.opt):
+            self.opt.load_state_dict(state["opt"])
         self.steps, self.skipped_steps = state["steps"], state["skipped_steps"]

@@ -29,12 +29,16 @@ class Checkpointer:
     def __init__(self, root: Path, log=print):
         self.root, self.log = root, log
 
-    def start_point(self, resume: str | None) -> Path | None:
+    def start_point(self, resume: str | None, config: dict | None = None) -> Path | None:
         """The checkpoint a run starts from: with `resume` (a run folder or a checkpoint),
-        that one, made the newest of this folder's timeline; without, none, and a folder
-        that holds checkpoints already is refused."""
+        that one, made the newest of this folder's timeline, once `config` is found to read
+        the same data as the checkpoint's; without, none, and a folder that holds
+        checkpoints already is refused."""
         if resume:
-            return resume_timeline(self.root, resume_point(Path(resume)), self.log)
+            ckpt = resume_point(Path(resume))
+            if config is not None:
+                check_same_data(read_state(ckpt).get("config") or {}, config, ckpt)
+            return resume_timeline(self.root, ckpt, self.log)
         if latest_checkpoint(self.root) is not None:
             raise ValueError(
                 f"{self.root} already holds checkpoints: pass --resume {self.root.parent} "
@@ -58,6 +62,7 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_roles(tmp)
+        check_roles_wrote(tmp, final)
         state = {
             "iteration": iteration,
             "cursor": cursor,
@@ -79,6 +84,48 @@ class Checkpointer:
         state = read_state(ckpt)
         random.setstate(_tuplify(state["python_rng"]))
         return state["iteration"], state["cursor"]
+
+
+# The settings that say which example the data cursor points at: a resume that changes one
+# would go on from the cursor into other data. (Learning rates, batch shape, iterations and
+# the like may change at a resume; the cursor counts examples, not batches.)
+DATA_IDENTITY = (
+    ("data", "source"),
+    ("data", "path"),
+    ("data", "question_field"),
+    ("data", "answer_field"),
+    ("data", "levels"),
+    ("data", "seed"),
+    ("seed",),
+)
+
+
+def check_same_data(saved: dict, config: dict, ckpt: Path) -> None:
+    """Refuse a resume whose config reads other data than the checkpoint's, naming each
+    field that changed (a field the checkpoint's config predates is not compared)."""
+
+    def at(cfg: dict, path: tuple):
+        for part in path:
+            if not isinstance(cfg, dict) or part not in cfg:
+                return _ABSENT
+            cfg = cfg[part]
+        return cfg
+
+    changed = [
+        f"{'.'.join(path)}: {at(saved, path)!r} -> {at(config, path)!r}"
+        for path in DATA_IDENTITY
+        if at(saved, path) is not _ABSENT and at(saved, path) != at(config, path)
+    ]
+    if changed:
+        raise ValueError(
+            f"--resume {ckpt}: the config reads other data than the checkpoint's ("
+            + "; ".join(changed)
+            + "), so the data cursor would point at other examples; resume with the "
+            "checkpoint's data settings, or start a new run (another out)"
+        )
+
+
+_ABSENT = object()
 
 
 def _tuplify(x):
@@ -270,6 +317,21 @@ def load_learner_state(path: Path, mmap: bool = False) -> dict:
             f"{path} holds more than tensors and plain data; refusing to load it "
             "(unpickling other objects can run code)"
         ) from err
+
+
+# What the roles write into a checkpoint folder, whatever else they add.
+ROLE_FILES = ("policy/config.json", "policy_state.pt")
+
+
+def check_roles_wrote(folder: Path, final: Path) -> None:
+    """The roles' files are in the folder the driver is about to name: on a cluster whose
+    `out` is not one shared folder, the roles write on their own nodes and it stays empty."""
+    missing = [name for name in ROLE_FILES if not (folder / name).is_file()]
+    if missing:
+        raise OSError(
+            f"checkpoint {final}: the roles wrote no {', '.join(missing)} where the driver "
+            f"reads them ({folder}); on a cluster, `out` must be a folder every node shares"
+        )
 
 
 def check_checkpoint(path: Path) -> None:

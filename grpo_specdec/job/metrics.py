@@ -5,6 +5,7 @@ first-vs-last summary printed at the end."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -63,16 +64,34 @@ def iteration_record(
 
 
 def truncate_records(path: Path, iteration: int) -> None:
-    """Drop records of iterations after `iteration` (a resume or restart point), so that
-    none is counted twice."""
+    """Keep the records of iterations up to `iteration` (a resume or restart point), so that
+    none is counted twice; those after it are appended to `<name>.after_iteration_<iteration>.jsonl`
+    beside, not lost. A last line cut off mid-append (the job was killed writing it) is
+    dropped; any other line that is not JSON is an error naming it. Rewritten atomically."""
     if not path.is_file():
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line)["iteration"] <= iteration
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+    lines = path.read_text().split("\n")
+    keep, later = [], []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if lineno == len(lines):  # no newline after it: torn, never a whole record
+                continue
+            raise ValueError(f"{path} line {lineno}: not a JSON record") from None
+        (keep if record["iteration"] <= iteration else later).append(line)
+    if later:
+        aside = path.with_name(f"{path.stem}.after_iteration_{iteration}.jsonl")
+        with open(aside, "a") as f:
+            f.write("".join(line + "\n" for line in later))
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in keep))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class MetricsSink:

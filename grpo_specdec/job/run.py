@@ -49,7 +49,7 @@ class Job:
         base_draft = cfg.model.draft and resolve_model(cfg.model.draft)
         check_context_length(cfg, base_policy, base_draft)
         self.checkpointer = Checkpointer(self.out / "checkpoints", log)
-        ckpt = self.checkpointer.start_point(resume)
+        ckpt = self.checkpointer.start_point(resume, cfg.model_dump())
         self.out.mkdir(parents=True, exist_ok=True)
         self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
         self.log(f"vLLM's messages go to {self.vllm_log.path} (errors also here)")

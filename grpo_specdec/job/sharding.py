@@ -30,6 +30,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from grpo_specdec.optimizer_state import configured_settings_kept
+
 Sharding = Literal["none", "fsdp"]
 # Whole state dicts, gathered to rank 0's CPU (the other ranks get empty ones); loaded
 # from rank 0's and scattered, so that only rank 0 reads a checkpoint's files.
@@ -147,7 +149,8 @@ def load_full_state(
     """Load what `full_state` gave; under ranks, rank 0's is scattered (the others pass {})."""
     if not is_distributed(model):
         model.load_state_dict(weights)
-        opt.load_state_dict(opt_state)
+        with configured_settings_kept(opt):
+            opt.load_state_dict(opt_state)
         return
     set_model_state_dict(model, weights, options=_SCATTER)
     if opt_state:
@@ -158,7 +161,8 @@ def load_full_state(
                 {**g, "params": [names[i] for i in g["params"]]} for g in opt_state["param_groups"]
             ],
         }
-    set_optimizer_state_dict(model, opt, opt_state, options=_SCATTER)
+    with configured_settings_kept(opt):
+        set_optimizer_state_dict(model, opt, opt_state, options=_SCATTER)
 
 
 def _names(model: torch.nn.Module) -> list[str]:
