@@ -118,11 +118,20 @@ class LLMClient:
         self.llm.collective_rpc("grpo_abort_weight_update")
 
     def reset_prefix_cache(self) -> None:
-        if not self.llm.reset_prefix_cache(reset_running_requests=True):
-            raise RuntimeError(
-                "the weights are loaded, but the engine could not reset its prefix cache, "
-                "which holds KV of the old weights"
-            )
+        check_cache_reset(self.llm.reset_prefix_cache(reset_running_requests=True))
+
+
+CACHE_NOT_RESET = (
+    "the weights are loaded, but the engine could not reset its prefix cache, which holds KV "
+    "of the old weights"
+)
+
+
+def check_cache_reset(success) -> None:
+    """vLLM answers a cache reset with whether it happened (`LLM`/`AsyncLLM` return it, the
+    server's route says `{"success": false}` with status 200): a failed one is an error."""
+    if success is False or (isinstance(success, list) and False in success):
+        raise RuntimeError(CACHE_NOT_RESET)
 
 
 class HTTPClient(HTTPVLLMWeightSyncClient):
@@ -137,7 +146,14 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
         self._post("collective_rpc", {"method": "grpo_abort_weight_update"})
 
     def reset_prefix_cache(self) -> None:
-        self._post("reset_prefix_cache?reset_running_requests=true")
+        import requests
+
+        response = requests.post(
+            f"{self.base_url}/reset_prefix_cache?reset_running_requests=true",
+            timeout=self.timeout,
+        )
+        response.raise_for_status()
+        check_cache_reset(response.json().get("success"))
 
 
 class RPCClient:
@@ -152,7 +168,12 @@ class RPCClient:
     def __init__(
         self, rpc: Callable[[str, dict[str, Any] | None], Any], reset_prefix_cache: Callable
     ):
-        self.rpc, self.reset_prefix_cache = rpc, reset_prefix_cache
+        self.rpc, self.reset_cache = rpc, reset_prefix_cache
+
+    def reset_prefix_cache(self) -> None:
+        """The stack's reset; one that returns False (vLLM's, verl's `clear_kv_cache` while
+        requests run) is an error, not a swap done."""
+        check_cache_reset(self.reset_cache())
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.rpc("init_weight_transfer_engine", {"init_info": init_info})
