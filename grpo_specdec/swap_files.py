@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_plugin.manifest import WeightSwapError
 from vllm_plugin.swap_folder import swap_folder
 
 
@@ -24,10 +29,50 @@ def swap_file(
     swap, keeping its old weights."""
     from safetensors.torch import save_file
 
-    path = swap_folder() / f"{role}-v{version}-{uuid.uuid4().hex[:8]}.safetensors"
+    folder = swap_folder()
+    sweep_orphans(folder)
+    path = folder / f"{role}-v{version}-p{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
     tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     try:
-        save_file(tensors, str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
+        try:
+            save_file(tensors, str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            need = sum(t.numel() * t.element_size() for t in tensors.values())
+            free = shutil.disk_usage(folder).free
+            raise WeightSwapError(
+                f"no room for the {role} weights ({need / 2**20:.0f} MiB) in the swap folder "
+                f"{folder} ({free / 2**20:.0f} MiB free): it lives in shared memory, which "
+                "containers often cap at 64 MiB; give the container more (docker run "
+                "--shm-size=16g, a Kubernetes emptyDir with medium Memory on /dev/shm)"
+            ) from None
         yield path
     finally:
         path.unlink(missing_ok=True)
+
+
+_WRITER = re.compile(r"-p(\d+)-[0-9a-f]{8}\.safetensors$")
+
+
+def sweep_orphans(folder: Path) -> list[Path]:
+    """Remove the weight files whose writer process is gone: a trainer killed (SIGKILL, the
+    OOM killer) between writing a file and removing it never removes it, and the folder
+    lives in RAM. A file an engine still has open stays readable through its descriptor."""
+    removed = []
+    for path in folder.glob("*.safetensors"):
+        match = _WRITER.search(path.name)
+        if match and not _alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
