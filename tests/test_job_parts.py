@@ -168,6 +168,18 @@ def test_checkpoints_are_written_whole_named_latest_and_never_overwritten(tmp_pa
         Checkpointer(tmp_path / "checkpoints").start_point(None)
 
 
+def test_latest_names_a_checkpoint_of_its_own_folder_only(tmp_path):
+    ckpts = Checkpointer(tmp_path / "checkpoints", log=lambda _: None)
+    _write(ckpts, 1)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "state.json").write_text("{}")
+    for name in (str(elsewhere), "../elsewhere"):
+        (ckpts.root / "latest").write_text(name)
+        with pytest.raises(ValueError, match="not a checkpoint of this folder"):
+            ckpts.latest()
+
+
 def test_a_resume_point_is_checked_whole_before_anything_moves(tmp_path):
     ckpts = Checkpointer(tmp_path / "checkpoints", log=lambda _: None)
     first, second = _write(ckpts, 1), _write(ckpts, 2)

@@ -153,7 +153,13 @@ def latest_checkpoint(root: Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
+    name = pointer.read_text().strip()
+    if not re.fullmatch(r"iter_\d+", name):
+        raise ValueError(
+            f"{pointer} names {name!r}, not a checkpoint of this folder (iter_N): refusing to "
+            "follow it elsewhere"
+        )
+    path = root / name
     if not (path / "state.json").is_file():
         raise FileNotFoundError(
             f"checkpoint {path} named by {pointer} is incomplete (no state.json)"

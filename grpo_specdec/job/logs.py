@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 
@@ -36,6 +37,24 @@ def console_handler() -> logging.Handler:
     handler.setLevel(logging.ERROR)
     handler.setFormatter(logging.Formatter("%(levelname)s [%(name)s] %(message)s"))
     return handler
+
+
+def check_private(out: Path) -> None:
+    """`out` must be this user's and writable by no one else: every vLLM process of the job
+    runs the logging config written there (its handler factories are code), and the
+    checkpoints there are loaded back; a folder others can write is a way to run code as this
+    user or change the weights."""
+    info = out.stat()
+    if info.st_uid != os.getuid():
+        problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"has mode {stat.S_IMODE(info.st_mode):04o}: others can write it (chmod go-w)"
+    else:
+        return
+    raise ValueError(
+        f"out={out} {problem}; the job writes there the logging config every vLLM process "
+        "runs and the checkpoints it loads back, so it must be a folder only this user writes"
+    )
 
 
 class VllmLog:

@@ -30,7 +30,7 @@ from grpo_specdec.job.compare import compare_rollout
 from grpo_specdec.job.config import RewardSettings, TrainConfig
 from grpo_specdec.job.engine_setup import check_context_length
 from grpo_specdec.job.lifecycle import Roles
-from grpo_specdec.job.logs import VllmLog
+from grpo_specdec.job.logs import VllmLog, check_private
 from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_records
 from grpo_specdec.job.models import resolve_model
 from grpo_specdec.job.roles import PolicyBatch
@@ -51,6 +51,7 @@ class Job:
         self.checkpointer = Checkpointer(self.out / "checkpoints", log)
         ckpt = self.checkpointer.start_point(resume, cfg.model_dump())
         self.out.mkdir(parents=True, exist_ok=True)
+        check_private(self.out)
         self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
         self.log(f"vLLM's messages go to {self.vllm_log.path} (errors also here)")
         data, kind = cfg.data, cfg.reward.kind

@@ -313,3 +313,17 @@ def test_swap_files_outside_the_swap_folder_are_refused(private_base, tmp_path):
     inside.unlink()  # its writer gave up; what was opened stays readable
     assert os.read(fd, 100) == b"weights"
     os.close(fd)
+
+
+def test_an_out_folder_others_can_write_is_refused(tiny_target, tiny_draft, tmp_path):
+    """Every vLLM process of the job runs the logging config written to `out` (its handler
+    factories are code) and the job loads its checkpoints back from there."""
+    out = tmp_path / "shared"
+    out.mkdir()
+    out.chmod(0o777)
+    error = _config_error(
+        "--config", TINY_JOB_CONFIG, f"model.policy={tiny_target}", f"model.draft={tiny_draft}",
+        f"out={out}",
+    )  # fmt: skip
+    assert f"out={out} has mode 0777: others can write it (chmod go-w)" in error
+    assert not (out / "vllm_logging.json").exists()
