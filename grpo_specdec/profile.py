@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
+from grpo_specdec.atomic_file import write_atomic
 from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.engine_config import Dtype
@@ -288,7 +289,7 @@ def run_profile(
     profile = build_profile(cfg, *measure(cfg, log))
     for path in {Path(out), store_path(profile["key"])}:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(profile, indent=1))
+        write_atomic(path, json.dumps(profile, indent=1))
     if plot:
         plot_profile(profile, plot)
     lat = profile["latency"]

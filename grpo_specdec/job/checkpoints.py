@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from grpo_specdec.atomic_file import write_atomic
 from grpo_specdec.modelcheck import check_model_dir
 
 LATEST = "latest"  # file naming the newest complete checkpoint, replaced atomically
@@ -169,13 +170,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def point_latest_at(root: Path, ckpt: Path) -> None:
     """Name `ckpt` (a folder in root) as the newest checkpoint, atomically and durably."""
-    pointer = root / (LATEST + ".tmp")
-    with open(pointer, "w") as f:
-        f.write(ckpt.name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, root / LATEST)
-    sync_dir(root)
+    write_atomic(root / LATEST, ckpt.name)
 
 
 def sync_dir(path: Path) -> None:

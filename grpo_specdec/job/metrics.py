@@ -5,11 +5,12 @@ first-vs-last summary printed at the end."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from grpo_specdec.atomic_file import write_atomic
 
 
 def iteration_record(
@@ -86,12 +87,7 @@ def truncate_records(path: Path, iteration: int) -> None:
         aside = path.with_name(f"{path.stem}.after_iteration_{iteration}.jsonl")
         with open(aside, "a") as f:
             f.write("".join(line + "\n" for line in later))
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write("".join(line + "\n" for line in keep))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, "".join(line + "\n" for line in keep))
 
 
 class MetricsSink:
