@@ -25,9 +25,10 @@ def with_off(choices):
 
 
 class StrictModel(BaseModel):
-    """Base for every config: unknown keys are errors, not silently ignored."""
+    """Base for every config: unknown keys are errors, not silently ignored, and so are
+    inf and NaN (YAML reads `.inf` and `.nan` as floats, which no bound refuses)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
 class ConfigError(ValueError):

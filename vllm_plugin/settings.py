@@ -23,7 +23,7 @@ ENV = "GRPO_SPECDEC_CONTROLLER"
 class GroupDraftSettings(BaseModel):
     """Drafts from the text of a GRPO group (see vllm_plugin/group_drafter.py)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = False
     max_match: int = Field(4, ge=1, le=16, description="longest context suffix matched, tokens")
@@ -42,7 +42,7 @@ class GroupDraftSettings(BaseModel):
 
 
 class ControllerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     policy: Literal["goodput", "paper", "fixed"] = "goodput"
     profile: str | None = Field(None, description="PROFILE.json; default: the profile store")

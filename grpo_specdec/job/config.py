@@ -78,6 +78,11 @@ class LengthBudget(StrictModel):
     sigma: float = Field(0.7, ge=0)
 
 
+# DAPO's recipes allow 10 further batches; a policy whose groups never vary would roll out
+# every one of them each iteration, so the bound is what one iteration may cost at most.
+MAX_GEN_BATCHES = 16
+
+
 class RolloutSettings(StrictModel):
     prompts_per_iteration: int = Field(8, ge=1)
     group_size: int = Field(8, ge=2)
@@ -118,6 +123,7 @@ class RolloutSettings(StrictModel):
     max_gen_batches: int = Field(
         1,
         ge=1,
+        le=MAX_GEN_BATCHES,
         description="DAPO's dynamic sampling when > 1: roll out further batches of prompts "
         "(up to this many batches in all) until prompts_per_iteration groups have reward "
         "variance; the policy learns from the first that many, the draft from every rollout "

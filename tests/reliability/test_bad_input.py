@@ -51,6 +51,10 @@ def test_malformed_yaml_names_the_line(tmp_path):
         ("rollout.speculation=sometimes", "rollout.speculation"),
         ("rollout.tempreature=1.0", "rollout.tempreature"),
         ("data.levels=[7]", "data.levels must lie in 1..4"),
+        ("rollout.top_p=.nan", "rollout.top_p: Input should be a finite number"),
+        ("policy.lr=.inf", "policy.lr: Input should be a finite number"),
+        ("rollout.controller.alpha=.inf", "rollout.controller.alpha: Input should be a finite"),
+        ("rollout.max_gen_batches=1000", "rollout.max_gen_batches: Input should be less than"),
     ],
 )
 def test_out_of_range_or_unknown_values_name_the_field(override, field):
