@@ -163,7 +163,11 @@ def test_checkpoints_are_written_whole_named_latest_and_never_overwritten(tmp_pa
     random.seed(99)
     assert ckpts.restore(first) == (1, 4)
     assert random.random() == expected_draw
-    # A run folder with checkpoints is not started over by accident.
+    # A run folder with checkpoints is not started over by accident, even one whose newest
+    # checkpoint was renamed into place by a run killed before `latest` named it.
+    with pytest.raises(ValueError, match=f"pass --resume {tmp_path} or choose another out"):
+        Checkpointer(tmp_path / "checkpoints").start_point(None)
+    (ckpts.root / "latest").unlink()
     with pytest.raises(ValueError, match=f"pass --resume {tmp_path} or choose another out"):
         Checkpointer(tmp_path / "checkpoints").start_point(None)
 

@@ -40,7 +40,9 @@ class Checkpointer:
             if config is not None:
                 check_same_data(read_state(ckpt).get("config") or {}, config, ckpt)
             return resume_timeline(self.root, ckpt, self.log)
-        if latest_checkpoint(self.root) is not None:
+        # A checkpoint renamed into place by a run killed before `latest` named it counts
+        # too: a new run would stop at its first checkpoint, finding the name taken.
+        if latest_checkpoint(self.root) is not None or any(self.root.glob("iter_*")):
             raise ValueError(
                 f"{self.root} already holds checkpoints: pass --resume {self.root.parent} "
                 "or choose another out"
