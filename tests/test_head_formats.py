@@ -173,3 +173,27 @@ def test_heads_that_do_not_fit_are_refused_by_name(
     (short / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HeadFormatError, match="no \\*.safetensors or pytorch_model.bin"):
         import_head(short, tiny_target, tmp_path / "o6")
+
+
+def test_a_head_goes_out_in_the_dtype_it_came_in(tiny_target, tiny_draft, tmp_path):
+    """The engine checks every swap against the head it serves: a learner that exported a
+    bfloat16 head in the target's float32 had every swap rejected while the job went on with
+    its first head."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_specdec.draft.head import load_head
+    from vllm_plugin.manifest import read_manifest
+
+    served = tmp_path / "bf16-head"
+    shutil.copytree(tiny_draft, served)
+    weights = load_file(str(served / "model.safetensors"))
+    save_file(
+        {k: v.bfloat16() if v.is_floating_point() else v for k, v in weights.items()},
+        str(served / "model.safetensors"),
+    )
+    assert json.loads((Path(tiny_target) / "config.json").read_text())["dtype"] == "float32"
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    head = load_head(served, tiny_target, target)
+    exported = head.export_state_dict(head.export_dtype())
+    manifest = read_manifest(served)
+    assert {k: v.dtype for k, v in exported.items()} == {k: m[1] for k, m in manifest.items()}

@@ -307,4 +307,10 @@ def load_head(draft_dir: str | Path, target_dir: str | Path, target: nn.Module) 
     head.load_export_state_dict(
         {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     )
+    # The engine checks every swap against the head it serves, so the head goes out in the
+    # dtype it came in (a float32 head beside a bfloat16 target stays float32).
+    stored = {v.dtype for v in weights.values() if v.is_floating_point()}
+    if len(stored) == 1:
+        head.config["dtype"] = str(stored.pop()).removeprefix("torch.")
+        head.config.pop("torch_dtype", None)
     return head
