@@ -441,15 +441,23 @@ def test_the_swap_route_refuses_to_start_without_an_api_key(monkeypatch):
     from argparse import Namespace
 
     from starlette.datastructures import State
+    from vllm.config import WeightTransferConfig
 
     from vllm_plugin.weights_endpoint import WeightsEndpoint
+
+    def engine(config):
+        return Namespace(vllm_config=Namespace(weight_transfer_config=config))
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     with pytest.raises(RuntimeError, match="start vllm serve with --api-key"):
         asyncio.run(WeightsEndpoint().init_state(object(), State(), Namespace(api_key=None)))
-    state = State()
-    asyncio.run(WeightsEndpoint().init_state("engine", state, Namespace(api_key=["k"])))
-    assert state.grpo_engine == "engine"
+    # Without a transfer engine every swap would fail inside the workers (a 500): the route
+    # refuses to start, naming the flag.
+    with pytest.raises(RuntimeError, match='--weight-transfer-config \'{"backend": "grpo_shm"}\''):
+        asyncio.run(WeightsEndpoint().init_state(engine(None), State(), Namespace(api_key=["k"])))
+    state, served = State(), engine(WeightTransferConfig(backend="grpo_shm"))
+    asyncio.run(WeightsEndpoint().init_state(served, state, Namespace(api_key=["k"])))
+    assert state.grpo_engine is served
 
 
 def test_trl_vllm_serve_runs_the_plugin(tiny_target, tiny_draft, job_profile, questions, tmp_path):

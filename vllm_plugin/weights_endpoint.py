@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from vllm_plugin.manifest import MixedWeightsError
+from vllm_plugin.shm_transfer import BACKEND
 from vllm_plugin.weight_swap import agreed_versions, merged_mixed
 
 ROUTE = "/v1/grpo/weights"
@@ -173,6 +174,14 @@ class WeightsEndpoint:
             )
         if engine_client is None:
             raise RuntimeError("the grpo_specdec_weights endpoint needs an engine")
+        # Without a transfer engine (no --weight-transfer-config) every swap would fail
+        # inside the workers, a 500 naming nothing the user can act on.
+        if getattr(engine_client.vllm_config, "weight_transfer_config", None) is None:
+            raise RuntimeError(
+                "the grpo_specdec_weights endpoint loads weights through vLLM's weight-transfer "
+                f'API: start vllm serve with --weight-transfer-config \'{{"backend": '
+                f'"{BACKEND}"}}\''
+            )
         state.grpo_engine = engine_client
         state.grpo_swap_lock = asyncio.Lock()
         state.grpo_mixed = {}
