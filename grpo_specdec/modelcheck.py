@@ -39,6 +39,8 @@ def check_safetensors_complete(path: Path) -> None:
         raise ValueError(
             f"{path} is not a readable safetensors file ({type(err).__name__})"
         ) from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a readable safetensors file (its header is not an object)")
     end = max((m["data_offsets"][1] for k, m in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end != size:
         raise ValueError(

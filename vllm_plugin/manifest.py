@@ -52,9 +52,19 @@ def read_manifest(model_dir: str | Path) -> Manifest:
         with open(f, "rb") as fh:
             (size,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(size))
+        if not isinstance(header, dict):
+            raise WeightSwapError(f"{f}: its safetensors header is not a JSON object")
         for name, meta in header.items():
-            if name != "__metadata__":
-                manifest[name] = (tuple(meta["shape"]), _DTYPES[meta["dtype"]])
+            if name == "__metadata__":
+                continue
+            got = meta.get("dtype") if isinstance(meta, dict) else meta
+            dtype = _DTYPES.get(got) if isinstance(got, str) else None
+            if dtype is None:
+                raise WeightSwapError(
+                    f"{f}: tensor {name} has dtype {got}, which weight swaps do not handle "
+                    f"({', '.join(_DTYPES)}; quantised checkpoints such as FP8 are not supported)"
+                )
+            manifest[name] = (tuple(meta["shape"]), dtype)
     return manifest
 
 
