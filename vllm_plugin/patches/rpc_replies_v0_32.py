@@ -64,8 +64,8 @@ def _wrap(original):
                 if queue._grpo_reads == reads:
                     try:
                         queue.dequeue(timeout=timeout or DRAIN_TIMEOUT_S)
-                    except Exception:  # a worker gone or silent: nothing left to realign
-                        break
+                    except Exception:  # this worker gone or silent: the others still
+                        continue  # have a reply to read
             raise
 
     collective_rpc._grpo_original = original
