@@ -433,3 +433,13 @@ def test_the_job_profiles_batch_sizes_up_to_what_its_engine_holds():
     assert profiled_batch_sizes(32) == [1, 2, 4, 8, 16, 32]
     assert profiled_batch_sizes(12) == [1, 2, 4, 8, 12]
     assert profiled_batch_sizes(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+
+
+def test_each_engine_and_each_start_gets_its_own_sampling_seed():
+    """A restart or resume starts the engines on new streams, not on the first start's."""
+    from grpo_specdec.job.engine_setup import engine_seed
+
+    seeds = {(e, v): engine_seed(0, e, v) for e in range(4) for v in (0, 3, 7)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert engine_seed(0, 1, 3) == engine_seed(0, 1, 3) != engine_seed(1, 1, 3)
+    assert all(0 <= s < 1 << 31 for s in seeds.values())

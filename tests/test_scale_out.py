@@ -98,6 +98,9 @@ def test_engines_serve_the_learners_versions_after_every_sync(
     )
     job = Job(cfg)
     try:
+        # Each engine samples from its own stream (one seed for all drew the same numbers).
+        seeds = ray.get([e.__ray_call__.remote(lambda w: w.engine.cfg.seed) for e in job.rollouts])
+        assert len(set(seeds)) == 2
         for iteration in (1, 2, 3):
             job.cfg.iterations = iteration
             job.run()

@@ -3,6 +3,8 @@ length checked up front, and the latency profile concurrency-aware rollouts need
 
 from __future__ import annotations
 
+import random
+
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.modelcheck import resolve_max_model_len
 from vllm_plugin.settings import profile_key, store_path
@@ -89,3 +91,12 @@ def engine_config(
         "enforce_eager": r.enforce_eager,
         "speculative": spec,
     }
+
+
+def engine_seed(job_seed: int, engine: int, policy_version: int) -> int:
+    """The sampling seed of rollout engine `engine` started at `policy_version`: each engine
+    its own stream (one seed for all drew the same random numbers in every engine), and a
+    new one whenever the roles start again (a restart or a resume from a checkpoint at
+    another policy version would otherwise replay the streams of the first start). Requests
+    seeded per prompt (`rollout.seeded`) do not depend on it."""
+    return random.Random(f"engine:{job_seed}:{engine}:{policy_version}").randrange(1 << 31)

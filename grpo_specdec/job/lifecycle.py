@@ -16,7 +16,7 @@ from grpo_specdec.job.actors import Placement
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.checkpoints import replace_dir
 from grpo_specdec.job.config import TrainConfig
-from grpo_specdec.job.engine_setup import engine_config, latency_profile
+from grpo_specdec.job.engine_setup import engine_config, engine_seed, latency_profile
 from grpo_specdec.job.roles import PolicyBatch
 from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.job.sharding import shard
@@ -87,8 +87,11 @@ class Roles:
         learners = {role: a for role, a in learners.items() if a is not None}
         status = ray.get([a.status.remote() for a in learners.values()])
         versions = {role: s["version"] for role, s in zip(learners, status, strict=True)}
+        started_at = versions.get("policy", 0)
         self.rollouts = [
-            place.actor("rollout", i).remote(self.engine_cfg, versions)
+            place.actor("rollout", i).remote(
+                {**self.engine_cfg, "seed": engine_seed(cfg.seed, i, started_at)}, versions
+            )
             for i in range(cfg.ray.rollout_workers)
         ]
         # Start-up (model loads, engine compile) must not count in the first iteration's times.
