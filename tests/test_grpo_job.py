@@ -369,7 +369,7 @@ def test_resume_from_an_older_checkpoint_makes_it_the_only_timeline(
     )
     # Rewards that differ within every group: every iteration updates the policy.
     flips = itertools.count()
-    monkeypatch.setattr(run, "reward", lambda *_: float(next(flips) % 2))
+    monkeypatch.setitem(run.GRADERS, cfg.reward.kind, lambda *_: bool(next(flips) % 2))
     job = Job(cfg)
     try:
         # This start's new head replaced that one whole, and the engine serves it.
@@ -394,7 +394,7 @@ def test_resume_from_an_older_checkpoint_makes_it_the_only_timeline(
 
     # Equal rewards from here: iteration 2 leaves the policy as it is, so no swap renumbers
     # it, and the engine's versions are the checkpoint's.
-    monkeypatch.setattr(run, "reward", lambda *_: 0.0)
+    monkeypatch.setitem(run.GRADERS, cfg.reward.kind, lambda *_: False)
     log: list[str] = []
     job = Job(cfg, resume=str(first), log=log.append)
     try:

@@ -23,17 +23,17 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-6
 
 
-def _length_parity_reward(text: str, answer, *_):
-    """A reward of the text alone, so equal rollouts get equal rewards, and groups differ."""
-    return float(len(text) % 2)
+def _length_parity_grade(text: str, answer) -> bool:
+    """A grade of the text alone, so equal rollouts get equal rewards, and groups differ."""
+    return bool(len(text) % 2)
 
 
 def _run(tmp_path, name, overrides, monkeypatch) -> tuple[list[dict], dict, list[dict]]:
     from grpo_specdec.job import run
 
-    monkeypatch.setattr(run, "reward", _length_parity_reward)
     out = tmp_path / name
     cfg = load_yaml(TrainConfig, CONFIG, [*overrides, f"out={out}"])
+    monkeypatch.setitem(run.GRADERS, cfg.reward.kind, _length_parity_grade)
     job = run.Job(cfg)
     try:
         records = job.run()
