@@ -18,9 +18,9 @@ from grpo_specdec.tasks.datasets import (
     NO_TEMPLATE,
     ArithmeticSource,
     Example,
-    FileKind,
     FileSource,
     PromptTemplate,
+    file_kind,
 )
 from grpo_specdec.tasks.rewards import GRADERS, RewardKind, has_answer_format
 
@@ -42,14 +42,6 @@ def arithmetic_eval_set(
             examples.append(example)
         index += 1
     return examples
-
-
-def file_kind(path: str | Path) -> FileKind:
-    """A data file's format by its name: a folder is a `datasets` one (save_to_disk)."""
-    path = Path(path)
-    if path.is_dir():
-        return "datasets"
-    return "parquet" if path.suffix == ".parquet" else "jsonl"
 
 
 def file_eval_set(path: str | Path, kind: RewardKind, n: int | None = None) -> list[Example]:

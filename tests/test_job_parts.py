@@ -443,3 +443,25 @@ def test_each_engine_and_each_start_gets_its_own_sampling_seed():
     assert len(set(seeds.values())) == len(seeds)
     assert engine_seed(0, 1, 3) == engine_seed(0, 1, 3) != engine_seed(1, 1, 3)
     assert all(0 <= s < 1 << 31 for s in seeds.values())
+
+
+def test_a_resume_with_bad_data_moves_no_checkpoint(tiny_target, tiny_draft, tmp_path, monkeypatch):
+    """The data files are read before a resume makes its checkpoint the timeline."""
+    from grpo_specdec.config import load_yaml
+    from grpo_specdec.job import checkpoints
+    from grpo_specdec.job.config import TrainConfig
+    from grpo_specdec.job.run import Job
+    from tests.conftest import TINY_JOB_CONFIG
+
+    monkeypatch.setattr(checkpoints, "check_checkpoint", lambda path: None)
+    out = tmp_path / "run"
+    overrides = [f"model.policy={tiny_target}", f"model.draft={tiny_draft}", f"out={out}"]
+    cfg = load_yaml(TrainConfig, TINY_JOB_CONFIG, overrides)
+    ckpts = Checkpointer(out / "checkpoints", log=lambda _: None)
+    first = ckpts.write(1, 4, cfg.model_dump(), _roles_writing("1"))
+    second = ckpts.write(2, 8, cfg.model_dump(), _roles_writing("2"))
+    missing = tmp_path / "gone.jsonl"
+    bad = load_yaml(TrainConfig, TINY_JOB_CONFIG, [*overrides, f"data.eval_path={missing}"])
+    with pytest.raises(FileNotFoundError, match="gone.jsonl does not exist"):
+        Job(bad, resume=str(first))
+    assert ckpts.latest() == second and second.is_dir()

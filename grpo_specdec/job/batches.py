@@ -7,17 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from grpo_specdec.job.config import DataSettings, RolloutSettings
-from grpo_specdec.tasks.datasets import ArithmeticSource, FileSource, PromptTemplate
+from grpo_specdec.tasks.datasets import ArithmeticSource, FileSource, PromptTemplate, file_kind
 from grpo_specdec.tasks.rewards import RewardKind
 from grpo_specdec.tasks.tail_shape import with_budgets
 
 
 def prompt_source(cfg: DataSettings, reward_kind: RewardKind, path: str | None = None):
     """The job's problems: the arithmetic task, or the file at `path` (default data.path) in
-    data.source's format and fields; both with the config's prompt template."""
+    data.source's format and fields (held-out problems beside the arithmetic task: in the
+    format their name says, with its default fields); all with the config's prompt template."""
     template = PromptTemplate(cfg.system_prompt, cfg.instruction)
-    if cfg.source == "arithmetic":
+    if cfg.source == "arithmetic" and path is None:
         return ArithmeticSource(cfg.seed, cfg.levels, template)
+    if cfg.source == "arithmetic":
+        return FileSource(path, file_kind(path), reward_kind=reward_kind, template=template)
     return FileSource(
         path or cfg.path,
         cfg.source,

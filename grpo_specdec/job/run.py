@@ -48,12 +48,7 @@ class Job:
         base_policy = resolve_model(cfg.model.policy)
         base_draft = cfg.model.draft and resolve_model(cfg.model.draft)
         check_context_length(cfg, base_policy, base_draft)
-        self.checkpointer = Checkpointer(self.out / "checkpoints", log)
-        ckpt = self.checkpointer.start_point(resume, cfg.model_dump())
-        self.out.mkdir(parents=True, exist_ok=True)
-        check_private(self.out)
-        self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
-        self.log(f"vLLM's messages go to {self.vllm_log.path} (errors also here)")
+        # Everything that reads input is checked before a resume moves any checkpoint.
         data, kind = cfg.data, cfg.reward.kind
         self.source = prompt_source(data, kind)
         self.eval_examples = (
@@ -63,6 +58,12 @@ class Job:
                 data.seed, data.levels, cfg.eval.examples, self.source.template
             )
         )
+        self.out.mkdir(parents=True, exist_ok=True)
+        check_private(self.out)
+        self.checkpointer = Checkpointer(self.out / "checkpoints", log)
+        ckpt = self.checkpointer.start_point(resume, cfg.model_dump())
+        self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
+        self.log(f"vLLM's messages go to {self.vllm_log.path} (errors also here)")
         self.weight_dtype = str(next(iter(read_manifest(base_policy).values()))[1]).removeprefix(
             "torch."
         )

@@ -130,6 +130,14 @@ class FileSource:
         return self.examples[index % len(self.examples)]
 
 
+def file_kind(path: str | Path) -> FileKind:
+    """A data file's format by its name: a folder is a `datasets` one (save_to_disk)."""
+    path = Path(path)
+    if path.is_dir():
+        return "datasets"
+    return "parquet" if path.suffix == ".parquet" else "jsonl"
+
+
 def _jsonl_rows(path: Path):
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
