@@ -77,9 +77,11 @@ class Roles:
         if len(self.policies) > 1:
             address = ray.get(self.policies[0].rendezvous.remote())
             world = len(self.policies)
-            ray.get([p.join.remote(address, rank, world) for rank, p in enumerate(self.policies)])
+            get_failing_fast(
+                [p.join.remote(address, rank, world) for rank, p in enumerate(self.policies)]
+            )
         if ckpt is not None:
-            ray.get([p.load.remote(ckpt) for p in self.policies])
+            get_failing_fast([p.load.remote(ckpt) for p in self.policies])
         self.profile = self.profile or latency_profile(cfg, self.base_policy, draft_dir, self.log)
         self.engine_cfg = engine_config(cfg, policy_dir, draft_dir, self.profile)
         # The engines start from the weights the learners hold now: they report their versions.
@@ -191,7 +193,7 @@ class Roles:
         jobs = [rank.save.remote(folder) for rank in self.policies]
         if self.draft is not None:
             jobs.append(self.draft.save.remote(folder))
-        ray.get(jobs)
+        get_failing_fast(jobs)  # under FSDP the ranks gather together: one dead holds the rest
         if self.draft is None and self.engine_cfg["speculative"]:
             shutil.copytree(self.engine_cfg["speculative"]["draft"], folder / "draft")
 

@@ -191,31 +191,32 @@ class Job:
                 truncate_records(self.out / "eval.jsonl", -1)  # an earlier start's
                 self._log_eval(metrics, self.evaluate())
             while self.iteration < self.cfg.iterations:
+                # An actor that dies in the step, the evaluation or the checkpoint: every role
+                # restarts from the newest checkpoint and the iterations since run again.
+                running = self.iteration + 1
                 try:
                     record = self.step()
+                    if self._evaluate_now():
+                        report = self.evaluate()
+                        self._log_eval(metrics, report)
+                        record |= {f"eval_{k}": v for k, v in report.items() if k != "iteration"}
+                    records.append(record)
+                    metrics.write(record)
+                    if (
+                        self.iteration % self.cfg.checkpoint_every == 0
+                        or self.iteration == self.cfg.iterations
+                    ):
+                        self.checkpoint()
                 except ray.exceptions.RayActorError as err:
                     consecutive_failures += 1
                     if consecutive_failures > self.MAX_CONSECUTIVE_RESTARTS:
                         raise
-                    self._restart(
-                        f"iteration {self.iteration + 1}: an actor died ({type(err).__name__})"
-                    )
+                    self._restart(f"iteration {running}: an actor died ({type(err).__name__})")
                     # The iterations since the checkpoint run again: keep each record once.
                     records = [r for r in records if r["iteration"] <= self.iteration]
                     metrics.rewind(self.iteration)
                     continue
                 consecutive_failures = 0
-                if self._evaluate_now():
-                    report = self.evaluate()
-                    self._log_eval(metrics, report)
-                    record |= {f"eval_{k}": v for k, v in report.items() if k != "iteration"}
-                records.append(record)
-                metrics.write(record)
-                if (
-                    self.iteration % self.cfg.checkpoint_every == 0
-                    or self.iteration == self.cfg.iterations
-                ):
-                    self.checkpoint()
         return records
 
     def _log_eval(self, metrics: MetricsSink, report: dict) -> None:

@@ -53,6 +53,18 @@ def _kill_rollout_before(job, iteration):
     job.step = kill_then_step
 
 
+def _kill_inside(job, method: str, victim) -> None:
+    """`victim(job)` dies as the job's `method` (checkpoint, evaluate) next begins."""
+    original = getattr(job, method)
+
+    def kill_then_call():
+        setattr(job, method, original)
+        ray.kill(victim(job), no_restart=True)
+        return original()
+
+    setattr(job, method, kill_then_call)
+
+
 def _break_draft_loads(worker):
     """Runs in the rollout actor: every draft load in its engine fails from now on."""
 
@@ -147,10 +159,25 @@ def test_job_recovers_from_faults_and_loses_nothing(
         assert _served(job) == [_served(job)[0]] * 2
         assert _served(job)[0]["policy"] == learner["version"] and learner["world"] == 2
 
+        # A policy rank dies inside a checkpoint (the ranks gather the weights together), and
+        # an engine inside an evaluation: each time every role restarts from the newest
+        # checkpoint, and every iteration is recorded once.
+        _kill_inside(job, "checkpoint", lambda j: j.policies[1])
+        job.cfg.checkpoint_every, job.cfg.iterations = 1, 5
+        job.run()
+        assert any("iteration 5: an actor died" in line and "iter_000004" in line for line in log)
+        _kill_inside(job, "evaluate", lambda j: j.rollouts[1])
+        job.cfg.eval.every, job.cfg.iterations = 1, 6
+        job.run()
+        job.cfg.eval.every = 0
+        assert any("iteration 6: an actor died" in line and "iter_000005" in line for line in log)
+        assert [r["iteration"] for r in job_records(out)] == [1, 2, 3, 4, 5, 6]
+        assert "eval_accuracy" in job_records(out)[-1]
+
         # The draft learner diverges: its update is rolled back, the engines keep their draft.
         served = _served(job)[0]["draft"]
         ray.get(job.draft.__ray_call__.remote(_poison_head))
-        job.cfg.iterations = 5
+        job.cfg.iterations = 7
         job.run()
         rec = job_records(out)[-1]
         assert rec["draft_rolled_back"] and rec["draft_steps"] == 0
@@ -161,7 +188,7 @@ def test_job_recovers_from_faults_and_loses_nothing(
         # weights (the fc layer computes what it did before).
         draft_before = _engine_outputs(job, _draft_fc)
         ray.get(job.rollouts[1].__ray_call__.remote(_break_next_swap("draft")))
-        job.cfg.iterations = 6
+        job.cfg.iterations = 8
         job.run()
         rec = job_records(out)[-1]
         assert "injected draft swap failure" in rec["draft_swap_error"]
@@ -173,7 +200,7 @@ def test_job_recovers_from_faults_and_loses_nothing(
         policy_before = _served(job)[0]["policy"]
         greedy_before = _engine_outputs(job, _greedy, questions[:4])
         ray.get(job.rollouts[1].__ray_call__.remote(_break_next_swap("policy")))
-        job.cfg.iterations = 9
+        job.cfg.iterations = 11
         with pytest.raises(
             RuntimeError, match="policy weight sync .* failed: .*injected policy swap failure"
         ):
