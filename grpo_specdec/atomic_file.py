@@ -16,7 +16,12 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    sync_dir(path.parent)
+
+
+def sync_dir(path: Path) -> None:
+    """fsync a folder: its entries (files made, renamed or removed in it) reach the disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

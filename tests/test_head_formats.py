@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo_specdec.draft.formats import HeadFormatError, import_head, target_embedding
+from grpo_specdec.draft.formats import HeadFormatError, import_head
 from tests.conftest import run_cli
 
 
@@ -25,6 +25,11 @@ def _native(folder) -> dict[str, torch.Tensor]:
 
 def _config(folder) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
+
+
+def target_embedding(target) -> torch.Tensor:
+    """The tiny target's embedding as its checkpoint holds it (tied: also its lm_head)."""
+    return load_file(str(Path(target) / "model.safetensors"))["model.embed_tokens.weight"]
 
 
 def eagle1_published(tiny_target, tiny_draft, out: Path, nested: bool = False, bias=0.0) -> Path:

@@ -28,13 +28,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
-from grpo_specdec.draft.head import new_head
+from grpo_specdec.draft.head import new_head, target_embeddings
 from grpo_specdec.modelcheck import read_config
-
-EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
 
 
 class HeadFormatError(ValueError):
@@ -75,15 +72,6 @@ def head_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def target_embedding(target_dir: Path) -> torch.Tensor:
-    for f in sorted(target_dir.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in EMBED_NAMES:
-                if name in st.keys():
-                    return st.get_tensor(name)
-    raise HeadFormatError(f"model: no embed_tokens weight in {target_dir}")
-
-
 def _check_fits(cfg: dict, target_cfg: dict, folder: Path) -> None:
     for key in ("hidden_size", "vocab_size"):
         if key in cfg and cfg[key] != target_cfg.get(key):
@@ -93,12 +81,12 @@ def _check_fits(cfg: dict, target_cfg: dict, folder: Path) -> None:
             )
 
 
-def _drop_extras(weights: dict, target_dir: Path, folder: Path) -> None:
+def _drop_extras(weights: dict, target_embed: torch.Tensor, folder: Path) -> None:
     """Drop what vLLM drops or shares (embedding, t2d, a zero fc bias); refuse the rest."""
     weights.pop("t2d", None)
     if "embed_tokens.weight" in weights:
         own = weights.pop("embed_tokens.weight")
-        target = target_embedding(target_dir)
+        target = target_embed.detach()
         if own.shape != target.shape or not torch.equal(own.to(target.dtype), target):
             raise HeadFormatError(
                 f"draft: {folder}'s embed_tokens.weight differs from the target's: heads here "
@@ -122,7 +110,8 @@ def import_head(src: str | Path, target_dir: str | Path, out: str | Path) -> Pat
     cfg, target_cfg = head_config(folder), read_config(target_dir, "model")
     _check_fits(cfg, target_cfg, folder)
     weights = head_weights(folder)
-    _drop_extras(weights, target_dir, folder)
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    _drop_extras(weights, target_embeddings(target)[0], folder)
     hidden = target_cfg["hidden_size"]
     fc = weights.get("fc.weight")
     if fc is not None and fc.shape[1] == 3 * hidden:
@@ -143,7 +132,6 @@ def import_head(src: str | Path, target_dir: str | Path, out: str | Path) -> Pat
             )
         d2t = weights["d2t"].long()
         vocab_ids = d2t + torch.arange(len(d2t))
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     head = new_head(target_dir, target, vocab_ids=vocab_ids)
     expected = {k: v.shape for k, v in head.export_state_dict().items()}
     for name, shape in expected.items():

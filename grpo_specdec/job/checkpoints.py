@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_specdec.atomic_file import write_atomic
+from grpo_specdec.atomic_file import sync_dir, write_atomic
 from grpo_specdec.modelcheck import check_model_dir
 
 LATEST = "latest"  # file naming the newest complete checkpoint, replaced atomically
@@ -173,15 +173,6 @@ def latest_checkpoint(root: Path) -> Path | None:
 def point_latest_at(root: Path, ckpt: Path) -> None:
     """Name `ckpt` (a folder in root) as the newest checkpoint, atomically and durably."""
     write_atomic(root / LATEST, ckpt.name)
-
-
-def sync_dir(path: Path) -> None:
-    """fsync a folder: its entries (files made, renamed or removed in it) reach the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sync_tree(path: Path) -> None:
