@@ -99,10 +99,16 @@ def _draft_train(args) -> None:
         seed=args.seed,
         enforce_eager=args.eager,
         draft_vocab=args.draft_vocab,
+        eagle3=args.eagle3,
         draft_sampling=args.draft_sampling,
         gen_temperature=args.gen_temperature,
         max_model_len=args.max_model_len,
-        train={"lr": args.lr, "batch_size": args.batch_size, "tv_weight": args.tv_weight},
+        train={
+            "lr": args.lr,
+            "batch_size": args.batch_size,
+            "tv_weight": args.tv_weight,
+            "ttt_steps": args.ttt_steps,
+        },
     )
     report = bootstrap_draft(
         cfg, log=lambda msg: print(msg, file=sys.stderr if args.json else sys.stdout)
@@ -384,6 +390,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="draft over only the N most frequent tokens (EAGLE-3 format, d2t map)",
+    )
+    dtrain.add_argument(
+        "--eagle3",
+        action="store_true",
+        help="a true EAGLE-3 head: reads three of the target's layers (vLLM's default "
+        "auxiliary layers) fused, trained unrolled on its own features",
+    )
+    dtrain.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=None,
+        help="draft steps the loss unrolls (training-time test); default 3 with --eagle3, else 1",
     )
     _max_model_len_arg(dtrain)
     dtrain.add_argument("--eager", action="store_true")

@@ -163,7 +163,9 @@ def test_heads_that_do_not_fit_are_refused_by_name(
     hidden = _config(tiny_target)["hidden_size"]
     weights["fc.weight"] = torch.zeros(hidden, 3 * hidden)
     save_file(weights, str(aux / "model.safetensors"))
-    with pytest.raises(HeadFormatError, match=r"EAGLE-3 head over three auxiliary target layers"):
+    cfg_aux = {**_config(aux), "norm_before_residual": True}
+    (aux / "config.json").write_text(json.dumps(cfg_aux))
+    with pytest.raises(HeadFormatError, match=r"sets norm_before_residual"):
         import_head(aux, tiny_target, tmp_path / "o4")
 
     short = eagle1_published(tiny_target, tiny_draft, tmp_path / "short")

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_specdec.config import DraftSampling, StrictModel
 from grpo_specdec.draft.capture import Sequence, capture_hidden
-from grpo_specdec.draft.head import draft_vocabulary, load_head, new_head
+from grpo_specdec.draft.head import draft_vocabulary, eagle3_aux_layers, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, read_prompts_file
 from grpo_specdec.tasks.arithmetic import make_problems
@@ -62,6 +62,11 @@ class DraftBootstrapConfig(StrictModel):
     enforce_eager: bool = False
     draft_vocab: int | None = Field(
         None, ge=16, description="reduced draft vocabulary (EAGLE-3 format)"
+    )
+    eagle3: bool = Field(
+        False,
+        description="a true EAGLE-3 head: three of the target's layers fused (vLLM's default "
+        "auxiliary layers), trained unrolled (train.ttt_steps)",
     )
     train: DraftTrainConfig = DraftTrainConfig(lr=1e-3, batch_size=8)
 
@@ -254,10 +259,11 @@ def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
     split = split_prompts(cfg)
     warnings = _log_warnings(log, prompt_warnings(split))
     with tempfile.TemporaryDirectory() as tmp:
+        aux = eagle3_aux_layers(target.config.num_hidden_layers) if cfg.eagle3 else None
         head = (
             load_head(cfg.init, cfg.target, target)
             if cfg.init
-            else new_head(cfg.target, target, cfg.seed)
+            else new_head(cfg.target, target, cfg.seed, aux_layers=aux)
         )
         # The engine reads its starting head's files again if a swap has to be undone.
         start_dir = cfg.init or str(head.save(Path(tmp) / "start"))
@@ -273,14 +279,14 @@ def bootstrap_draft(cfg: DraftBootstrapConfig, log=print) -> dict:
                 vocab = draft_vocabulary(
                     seqs, cfg.draft_vocab, eos if isinstance(eos, list) else [eos]
                 )
-                head = new_head(cfg.target, target, cfg.seed, vocab_ids=vocab)
+                head = new_head(cfg.target, target, cfg.seed, vocab_ids=vocab, aux_layers=aux)
                 start_dir = str(head.save(Path(tmp) / "start_reduced"))
                 engine = _measuring_engine(cfg, start_dir)
             trainer = DraftTrainer(head, cfg.train)
             before = _acceptance(engine, split.eval_prompts, cfg)
             warnings += _log_acceptance(log, "before", before, cfg.k, split.held_out)
             t = time.perf_counter()
-            capture_hidden(target, seqs)
+            capture_hidden(target, seqs, aux_layers=head.aux_layers)
             seconds["capture_s"] = time.perf_counter() - t
             t = time.perf_counter()
             stats = _train(cfg, trainer, seqs, log)

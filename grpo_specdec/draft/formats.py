@@ -17,8 +17,9 @@ What becomes of the parts that are not in this project's layout:
 - `t2d`: vLLM drops it; so does the import.
 - `fc.bias`: vLLM 0.32's EAGLE head has no bias there, so it could not serve it: dropped when
   all zeros, else refused.
-- `fc.weight` over three auxiliary target layers ([H, 3H], a true EAGLE-3 head): refused by
-  name; this project captures only the target's last layer so far.
+- `fc.weight` over three auxiliary target layers ([H, 3H], a true EAGLE-3 head): kept, with the
+  layers the config names (`eagle_aux_hidden_state_layer_ids`), else vLLM's default for the
+  target, written into the imported config; vLLM's fc/residual norm variants are refused.
 A head whose shapes do not fit the target is refused with the field or tensor named.
 """
 
@@ -40,14 +41,16 @@ class HeadFormatError(ValueError):
 
 def head_config(folder: Path) -> dict:
     """The head's own config: top level, nested under "model" (model_type "eagle"), or a
-    speculators config's `transformer_layer_config` with the draft vocabulary added."""
+    speculators config's `transformer_layer_config` with the draft vocabulary, auxiliary
+    layers and residual-norm option added."""
     cfg = read_config(folder, "draft")
     if cfg.get("model_type") == "eagle" and isinstance(cfg.get("model"), dict):
         return cfg["model"]
     if cfg.get("speculators_model_type") or "transformer_layer_config" in cfg:
         layer = dict(cfg.get("transformer_layer_config") or {})
-        if "draft_vocab_size" in cfg:
-            layer["draft_vocab_size"] = cfg["draft_vocab_size"]
+        for key in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual"):
+            if key in cfg:
+                layer[key] = cfg[key]
         layer["architectures"] = cfg.get("architectures", [])
         return layer
     return cfg
@@ -79,6 +82,33 @@ def _check_fits(cfg: dict, target_cfg: dict, folder: Path) -> None:
                 f"draft: {folder} was built for {key}={cfg[key]}, but the target has "
                 f"{key}={target_cfg.get(key)}"
             )
+
+
+# vLLM's EAGLE-3 variants this project's head does not compute; refused rather than served
+# as a head they would change.
+UNSUPPORTED_EAGLE3_OPTIONS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
+
+
+def _aux_layers(cfg: dict, target_cfg: dict, fc: torch.Tensor, folder: Path) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head's fc fuses: its config's
+    eagle_aux_hidden_state_layer_ids, else vLLM's default for the target."""
+    hidden = target_cfg["hidden_size"]
+    for option in UNSUPPORTED_EAGLE3_OPTIONS:
+        if cfg.get(option) or (cfg.get("eagle_config") or {}).get(option):
+            raise HeadFormatError(f"draft: {folder} sets {option}, which this project's head lacks")
+    layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or cfg.get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    if not layers:
+        n = target_cfg["num_hidden_layers"]
+        layers = (2, n // 2, n - 3)  # what vLLM reads when the head names none
+    if fc.shape[1] != len(layers) * hidden:
+        raise HeadFormatError(
+            f"draft: {folder}'s fc.weight is {list(fc.shape)}: it fuses "
+            f"{fc.shape[1] / hidden:g} target layers of hidden_size={hidden}, but "
+            f"eagle_aux_hidden_state_layer_ids names {len(layers)} ({list(layers)})"
+        )
+    return tuple(layers)
 
 
 def _drop_extras(weights: dict, target_embed: torch.Tensor, folder: Path) -> None:
@@ -114,25 +144,27 @@ def import_head(src: str | Path, target_dir: str | Path, out: str | Path) -> Pat
     _drop_extras(weights, target_embeddings(target)[0], folder)
     hidden = target_cfg["hidden_size"]
     fc = weights.get("fc.weight")
-    if fc is not None and fc.shape[1] == 3 * hidden:
-        raise HeadFormatError(
-            f"draft: {folder} is an EAGLE-3 head over three auxiliary target layers (fc.weight "
-            f"{list(fc.shape)}); this project learns heads on the target's last layer only so far"
-        )
-    if fc is not None and list(fc.shape) != [hidden, 2 * hidden]:
+    aux = None
+    if fc is not None and fc.shape[1] != 2 * hidden:
+        aux = _aux_layers(cfg, target_cfg, fc, folder)
+    if fc is not None and fc.shape[0] != hidden:
         raise HeadFormatError(
             f"draft: {folder}'s fc.weight is {list(fc.shape)}, expected [{hidden}, {2 * hidden}] "
-            f"for a target of hidden_size={hidden}"
+            f"(EAGLE-1) or [{hidden}, 3 x {hidden}] (EAGLE-3) for a target of hidden_size={hidden}"
         )
     vocab_ids = None
-    if fc is None:
-        if "d2t" not in weights:
+    if aux is not None or fc is None:
+        if fc is None and "d2t" not in weights:
             raise HeadFormatError(
                 f"draft: {folder} has neither fc.weight (EAGLE-1) nor d2t (a draft vocabulary)"
             )
-        d2t = weights["d2t"].long()
-        vocab_ids = d2t + torch.arange(len(d2t))
-    head = new_head(target_dir, target, vocab_ids=vocab_ids)
+        if "d2t" in weights:
+            d2t = weights["d2t"].long()
+            vocab_ids = d2t + torch.arange(len(d2t))
+    try:
+        head = new_head(target_dir, target, vocab_ids=vocab_ids, aux_layers=aux)
+    except ValueError as err:
+        raise HeadFormatError(f"draft: {folder}: {err}") from None
     expected = {k: v.shape for k, v in head.export_state_dict().items()}
     for name, shape in expected.items():
         if name in weights and weights[name].shape != shape:

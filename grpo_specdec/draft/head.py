@@ -11,14 +11,24 @@ residual stream carries h_i, and its own lm_head covers a draft vocabulary of th
 frequent tokens (d2t maps draft ids to target ids). On a small model the lm_head is most
 of a draft step, so a few thousand rows instead of the full vocabulary cut its cost.
 
-Both share the target's embedding (frozen, not exported), exactly as vLLM shares it at
-load time. forward() returns what the next draft step receives as its hidden state; that
-is also the regression target (the target's next hidden state).
+`Eagle3Head` is the same layer as EAGLE-3 proper: its first step reads three of the target's
+layers (vLLM's auxiliary hidden states) fused by `fc` (3H -> H) instead of the last one, and
+its later steps read its own features, so it is trained unrolled on them (training-time
+test, `loss.py`) and not regressed onto the target's hidden states.
+
+All share the target's embedding (frozen, not exported), exactly as vLLM shares it at
+load time. forward() returns what the next draft step receives as its hidden state; for
+the first two that is also the regression target (the target's next hidden state).
+
+Every head is one decoder layer split in three (`_attention_input`, attention,
+`_after_attention`), so that the loss can run the attention unrolled, each later draft
+step attending over the earlier steps' keys as vLLM's drafter does (`unrolled_attention`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +41,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
 )
 
 from grpo_specdec.modelcheck import check_draft_matches_target, read_config
@@ -47,6 +58,37 @@ TARGET_ONLY_KEYS = (
     "quantization_config",
     "auto_map",
 )
+
+
+@dataclass
+class DraftStep:
+    """One draft step's attention inputs, [B, heads, T, head_dim] each, and its residual."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    residual: torch.Tensor
+
+
+def unrolled_attention(
+    step: DraftStep, earlier: list[DraftStep], groups: int, scale: float
+) -> torch.Tensor:
+    """Attention of draft step j = len(earlier) + 1 over all T origins at once, as vLLM's
+    drafter computes it: the draft drafting from origin t has in its cache the first
+    step's keys at positions <= t (written from the target's hidden states) and, at
+    positions t+1 .. t+j-1, the keys its own later steps wrote from origin t. So the
+    queries attend causally over the first step's keys and to the diagonal of each later
+    step's (SpecForge and EAGLE-3 train with this mask). Returns [B, heads, T, head_dim]."""
+    steps = [*earlier, step]
+    keys = torch.cat([s.k for s in steps], dim=2).repeat_interleave(groups, dim=1)
+    values = torch.cat([s.v for s in steps], dim=2).repeat_interleave(groups, dim=1)
+    t = step.q.shape[2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=step.q.device).tril()
+    diagonal = torch.eye(t, dtype=torch.bool, device=step.q.device)
+    mask = torch.cat([causal] + [diagonal] * (len(steps) - 1), dim=1)
+    return nn.functional.scaled_dot_product_attention(
+        step.q, keys, values, attn_mask=mask, scale=scale
+    )
 
 
 class DraftHead(nn.Module):
@@ -87,6 +129,58 @@ class DraftHead(nn.Module):
 
     def _embed(self, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.embed_weight).to(like.dtype)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """vLLM's ids of the target layers whose hidden states the first step reads fused;
+        () for a head that reads the target's last layer."""
+        return ()
+
+    def first_hidden(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """What the first draft step reads from the target: its last layer's hidden states."""
+        return hidden
+
+    @property
+    def regresses_hidden(self) -> bool:
+        """Whether the head's features are trained towards the target's next hidden state."""
+        return True
+
+    def _attention_input(self, next_ids, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the attention reads, the residual stream) of a draft step."""
+        raise NotImplementedError
+
+    def _after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _attention(self) -> LlamaAttention:
+        raise NotImplementedError
+
+    def step_qkv(self, next_ids, hidden, positions) -> DraftStep:
+        """One draft step up to its attention: rotated queries and keys, values, residual."""
+        x, residual = self._attention_input(next_ids, hidden)
+        attn = self._attention()
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        q, k, v = (
+            proj(x).view(shape).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
+        )
+        cos, sin = self.rotary(x, positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return DraftStep(q, k, v, residual)
+
+    def finish_step(self, step: DraftStep, earlier: list[DraftStep]) -> torch.Tensor:
+        """The step's features, its queries attending over `earlier` steps' keys (see
+        `unrolled_attention`)."""
+        attn = self._attention()
+        out = unrolled_attention(step, earlier, attn.num_key_value_groups, attn.scaling)
+        out = attn.o_proj(out.transpose(1, 2).flatten(2))
+        return self._after_attention(out, step.residual)
+
+    def forward(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """next_ids [B,T] (the token after each hidden state), hidden [B,T,H] (what
+        `first_hidden` gives), positions [B,T]: the first draft step, teacher-forced."""
+        return self.finish_step(self.step_qkv(next_ids, hidden, positions), [])
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's next-token logits over the draft vocabulary."""
@@ -158,19 +252,17 @@ class EagleHead(DraftHead):
         self.layer = LlamaDecoderLayer(self.hf_config, layer_idx=0)
         self.layer.input_layernorm = nn.Identity()
 
-    def forward(
-        self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """next_ids [B,T] (the token after each hidden state), hidden [B,T,H], positions [B,T]."""
-        x = self.fc(
-            torch.cat(
-                [self._embed(next_ids, self.fc.weight), hidden.to(self.fc.weight.dtype)], dim=-1
-            )
-        )
-        cos_sin = self.rotary(x, positions)
-        return self.layer(
-            x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin
-        )
+    def _attention_input(self, next_ids, hidden):
+        w = self.fc.weight
+        x = self.fc(torch.cat([self._embed(next_ids, w), hidden.to(w.dtype)], dim=-1))
+        return x, x  # no input norm: the attention reads what the residual carries
+
+    def _attention(self) -> LlamaAttention:
+        return self.layer.self_attn
+
+    def _after_attention(self, attn, residual):
+        residual = residual + attn
+        return residual + self.layer.mlp(self.layer.post_attention_layernorm(residual))
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         return self.target_logits(features)
@@ -212,23 +304,16 @@ class ReducedVocabHead(DraftHead):
         self.register_buffer("vocab_ids", vocab_ids)
         self.register_buffer("d2t", vocab_ids - torch.arange(len(vocab_ids)))
 
-    def forward(
-        self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        dtype = self.lm_head.weight.dtype
-        hidden = hidden.to(dtype)
-        x = torch.cat(
-            [
-                self.input_layernorm(self._embed(next_ids, self.lm_head.weight)),
-                self.hidden_norm(hidden),
-            ],
-            -1,
-        )
-        cos_sin = self.rotary(hidden, positions)
-        attn, _ = self.self_attn(
-            x, position_embeddings=cos_sin, attention_mask=None, position_ids=positions
-        )
-        residual = hidden + attn
+    def _attention_input(self, next_ids, hidden):
+        hidden = hidden.to(self.lm_head.weight.dtype)
+        embedded = self.input_layernorm(self._embed(next_ids, self.lm_head.weight))
+        return torch.cat([embedded, self.hidden_norm(hidden)], -1), hidden
+
+    def _attention(self) -> LlamaAttention:
+        return self.self_attn
+
+    def _after_attention(self, attn, residual):
+        residual = residual + attn
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -244,11 +329,9 @@ class ReducedVocabHead(DraftHead):
         return self.vocab_ids[ids]
 
     def _export(self) -> dict[str, torch.Tensor]:
-        sd = {
-            "lm_head.weight": self.lm_head.weight,
-            "norm.weight": self.norm.weight,
-            "d2t": self.d2t,
-        }
+        sd = {"lm_head.weight": self.lm_head.weight, "norm.weight": self.norm.weight}
+        if len(self.vocab_ids) < len(self.lm_head_weight):
+            sd["d2t"] = self.d2t  # vLLM keeps no map for a draft over the whole vocabulary
         for part in (
             "input_layernorm",
             "hidden_norm",
@@ -263,6 +346,63 @@ class ReducedVocabHead(DraftHead):
                 }
             )
         return sd
+
+
+def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's default auxiliary layers, (2, L // 2, L - 3), where they are three distinct
+    layers; else (0, L // 2, L) (an id is the input of that layer, L the last one's output:
+    vLLM reads each id once, so a repeated one would leave `fc` a layer short)."""
+    if num_layers < 2:
+        raise ValueError(f"an EAGLE-3 head needs a target of 2 or more layers, not {num_layers}")
+    default = (2, num_layers // 2, num_layers - 3)
+    if len(set(default)) == 3 and min(default) >= 0:
+        return tuple(sorted(default))
+    return (0, num_layers // 2, num_layers)
+
+
+class Eagle3Head(ReducedVocabHead):
+    """EAGLE-3: the first draft step reads fc(concat of the target's auxiliary layers)."""
+
+    def __init__(
+        self,
+        target_config: dict,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        vocab_ids: torch.Tensor,
+        aux_layers: tuple[int, ...],
+    ):
+        super().__init__(target_config, embed_weight, lm_head_weight, vocab_ids)
+        layers = target_config["num_hidden_layers"]
+        if len(set(aux_layers)) != len(aux_layers) or not all(0 <= i <= layers for i in aux_layers):
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids {list(aux_layers)}: distinct layer ids in "
+                f"0..{layers} (the target's num_hidden_layers) are needed"
+            )
+        self._aux = tuple(sorted(aux_layers))  # vLLM concatenates them in layer order
+        self.config["eagle_config"] = {
+            "use_aux_hidden_state": True,
+            "eagle_aux_hidden_state_layer_ids": list(self._aux),
+        }
+        self.fc = nn.Linear(len(self._aux) * self.hidden_size, self.hidden_size, bias=False)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self._aux
+
+    @property
+    def regresses_hidden(self) -> bool:
+        return False  # its features start from fused layers, not the target's last one
+
+    def first_hidden(self, hidden, aux):
+        if aux is None:
+            raise ValueError(
+                f"an EAGLE-3 head reads the target's layers {list(self._aux)}: capture them "
+                "(capture_hidden(..., aux_layers=head.aux_layers))"
+            )
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def _export(self) -> dict[str, torch.Tensor]:
+        return {"fc.weight": self.fc.weight, **super()._export()}
 
 
 def draft_vocabulary(seqs, size: int, always: list[int]) -> torch.Tensor:
@@ -282,28 +422,60 @@ def target_embeddings(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def new_head(
-    target_dir: str | Path, target: nn.Module, seed: int = 0, vocab_ids: torch.Tensor | None = None
+    target_dir: str | Path,
+    target: nn.Module,
+    seed: int = 0,
+    vocab_ids: torch.Tensor | None = None,
+    aux_layers: tuple[int, ...] | None = None,
 ) -> DraftHead:
-    """A freshly initialised head: EAGLE over the full vocabulary, or over `vocab_ids`."""
+    """A freshly initialised head: EAGLE over the full vocabulary, or over `vocab_ids`;
+    with `aux_layers`, EAGLE-3 reading those target layers (over `vocab_ids`, by default
+    the whole vocabulary)."""
     cfg = read_config(target_dir, "target")
     embed, lm_head = target_embeddings(target)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        head = (
-            EagleHead(cfg, embed, lm_head)
-            if vocab_ids is None
-            else ReducedVocabHead(cfg, embed, lm_head, vocab_ids)
-        )
+        if aux_layers is not None:
+            ids = torch.arange(len(lm_head)) if vocab_ids is None else vocab_ids
+            head = Eagle3Head(cfg, embed, lm_head, ids, tuple(aux_layers))
+        elif vocab_ids is None:
+            head = EagleHead(cfg, embed, lm_head)
+        else:
+            head = ReducedVocabHead(cfg, embed, lm_head, vocab_ids)
     return head.float()
+
+
+def aux_layers_of(draft_config: dict) -> tuple[int, ...] | None:
+    """The auxiliary layers an EAGLE-3 head's config names; None for a head that reads the
+    target's last layer."""
+    eagle = draft_config.get("eagle_config") or {}
+    if not eagle.get("use_aux_hidden_state", False):
+        return None
+    layers = eagle.get("eagle_aux_hidden_state_layer_ids") or draft_config.get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    if not layers:
+        raise ValueError(
+            "draft config: eagle_config.use_aux_hidden_state is set but "
+            "eagle_config.eagle_aux_hidden_state_layer_ids is missing (vLLM would pick the "
+            "target's defaults, which a head trained elsewhere may not have been)"
+        )
+    return tuple(layers)
 
 
 def load_head(draft_dir: str | Path, target_dir: str | Path, target: nn.Module) -> DraftHead:
     check_draft_matches_target(draft_dir, target_dir)
     weights = load_file(str(Path(draft_dir) / WEIGHTS_FILE))
+    draft_config = read_config(draft_dir, "draft")
     vocab_ids = None
-    if ReducedVocabHead.ARCHITECTURE in read_config(draft_dir, "draft").get("architectures", []):
-        vocab_ids = weights["d2t"] + torch.arange(len(weights["d2t"]))
-    head = new_head(target_dir, target, vocab_ids=vocab_ids)
+    if ReducedVocabHead.ARCHITECTURE in draft_config.get("architectures", []):
+        vocab_ids = (
+            weights["d2t"] + torch.arange(len(weights["d2t"]))
+            if "d2t" in weights
+            else torch.arange(draft_config["vocab_size"])
+        )
+    aux = aux_layers_of(draft_config)
+    head = new_head(target_dir, target, vocab_ids=vocab_ids, aux_layers=aux)
     head.load_export_state_dict(
         {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
     )

@@ -29,6 +29,13 @@ class DraftTrainConfig(StrictModel):
     temperature: float = Field(
         1.0, gt=0, description="the sampling temperature whose acceptance tv_weight trains for"
     )
+    ttt_steps: int | None = Field(
+        None,
+        ge=1,
+        le=8,
+        description="draft steps the loss unrolls on the draft's own features (training-time "
+        "test); default: 3 for an EAGLE-3 head, 1 (teacher-forced) for the others",
+    )
     batch_size: int = Field(8, ge=1)
     epochs: int = Field(1, ge=1, description="passes over each rollout's sequences")
 
@@ -42,6 +49,7 @@ class DraftTrainer:
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.steps = 0
         self.skipped_steps = 0
+        self.ttt_steps = cfg.ttt_steps or (3 if head.aux_layers else 1)
 
     def step(self, seqs: list[Sequence]) -> dict:
         """One optimiser step. Non-finite loss or gradients skip it and leave weights untouched."""
@@ -55,6 +63,7 @@ class DraftTrainer:
             cfg.ce_weight,
             cfg.tv_weight,
             cfg.temperature,
+            steps=self.ttt_steps,
         )
         ok = math.isfinite(stats["loss"])
         if ok:

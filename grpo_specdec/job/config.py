@@ -206,6 +206,12 @@ class RewardSettings(StrictModel):
 
 class DraftSettings(StrictModel):
     online: bool = Field(True, description="keep training the draft on each rollout")
+    new_head: Literal["eagle", "eagle3"] = Field(
+        "eagle",
+        description="the head made when model.draft is null: EAGLE (the target's last layer) "
+        "or EAGLE-3 (three of its layers fused, trained unrolled), both over the full "
+        "vocabulary",
+    )
     train: DraftTrainConfig = DraftTrainConfig()
 
 

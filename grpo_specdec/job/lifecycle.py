@@ -12,6 +12,7 @@ from pathlib import Path
 
 import ray
 
+from grpo_specdec.draft.head import aux_layers_of
 from grpo_specdec.job.actors import Placement
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.checkpoints import replace_dir
@@ -21,6 +22,7 @@ from grpo_specdec.job.roles import PolicyBatch
 from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.job.sharding import shard
 from grpo_specdec.job.weight_sync import WeightSync
+from grpo_specdec.modelcheck import read_config
 
 
 class Roles:
@@ -65,12 +67,20 @@ class Roles:
                 cfg.model.device,
                 cfg.seed,
                 str(self.checkpoints),
+                cfg.draft.new_head,
             )
             if not draft_dir:  # a new head: the engine needs it on disk to start
                 draft_dir = self.base_draft = self._save_initial_head()
+        # The policy's forward captures the layers the head learns from.
+        aux = aux_layers_of(read_config(draft_dir, "draft")) if self.draft is not None else None
         self.policies = [
             place.actor("policy", rank).remote(
-                self.base_policy, cfg.policy, cfg.model.device, cfg.model.train_dtype, cfg.seed
+                self.base_policy,
+                cfg.policy,
+                cfg.model.device,
+                cfg.model.train_dtype,
+                cfg.seed,
+                aux or (),
             )
             for rank in range(cfg.ray.policy_workers)
         ]

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_specdec.draft.capture import Sequence, pad_batch
-from grpo_specdec.draft.head import DraftHead, load_head, new_head
+from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
+from grpo_specdec.draft.head import DraftHead, eagle3_aux_layers, load_head, new_head
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.grpo.core import grpo_loss, loss_stat_names
 from grpo_specdec.job import sharding
@@ -104,13 +104,6 @@ def _response_mask(ids_mask: torch.Tensor, prompt_lens: list[int]) -> torch.Tens
     return mask
 
 
-def _forward_with_hidden(model, ids: torch.Tensor, mask: torch.Tensor):
-    """(last-layer post-norm hidden states, logits), through the model's own forward: the
-    one FSDP gathers the embedding, final norm and lm_head for."""
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-    return out.hidden_states[-1], out.logits
-
-
 class PolicyLearner:
     """The policy and its optimiser. As rank `rank` of `world` (after `join`), it handles a
     contiguous shard of each batch; the ranks' gradients are summed, and the parameters,
@@ -124,9 +117,11 @@ class PolicyLearner:
         device: str = "cpu",
         dtype: str = "float32",
         seed: int = 0,
+        aux_layers: tuple[int, ...] = (),
     ):
         torch.manual_seed(seed)
         self.model_dir, self.cfg, self.device = model_dir, cfg, torch.device(device)
+        self.aux_layers = tuple(aux_layers)  # the layers an EAGLE-3 draft reads
         self.autocast = autocast_dtype(cfg.autocast, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype)
@@ -171,11 +166,11 @@ class PolicyLearner:
             self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
 
-    def _forward(self, model, ids: torch.Tensor, mask: torch.Tensor):
+    def _forward(self, model, ids: torch.Tensor, mask: torch.Tensor, aux_layers=()):
         if self.autocast is None:
-            return _forward_with_hidden(model, ids, mask)
+            return forward_with_hidden(model, ids, mask, aux_layers)
         with torch.autocast(self.device.type, dtype=self.autocast):
-            return _forward_with_hidden(model, ids, mask)
+            return forward_with_hidden(model, ids, mask, aux_layers)
 
     def _micro_batches(self, indices: list[int]):
         """(batch indices, ids, mask) of this rank's micro-batches. Under several ranks,
@@ -203,7 +198,7 @@ class PolicyLearner:
         self._old_logp, self._ref_logp, seqs = {}, {}, []
         self._entropy = {"entropy_sum": 0.0, "entropy_tokens": 0.0}
         for idx, ids, mask in self._micro_batches(list(self._shard)):
-            hidden, logits = self._forward(self.model, ids, mask)
+            hidden, logits, aux = self._forward(self.model, ids, mask, self.aux_layers)
             ref_logits = self._forward(self.ref, ids, mask)[1] if self.ref is not None else None
             if not idx:
                 continue
@@ -224,7 +219,8 @@ class PolicyLearner:
                 # what float32 would ship); the prompt's too, which the head attends over
                 # as vLLM's drafter does.
                 hidden_row = hidden[row, :n].detach().cpu()
-                seqs.append(Sequence(batch.token_ids[i], batch.prompt_lens[i], hidden_row))
+                aux_row = aux[row, :n].detach().cpu() if aux is not None else None
+                seqs.append(Sequence(batch.token_ids[i], batch.prompt_lens[i], hidden_row, aux_row))
         # The draft pairs with the embedding and lm_head the engine will serve, which each
         # policy update changes: rank 0 sends them every iteration, in the policy's dtype.
         embed, lm_head = (
@@ -262,7 +258,7 @@ class PolicyLearner:
             for n, (idx, ids, mask) in enumerate(micro_batches):
                 if sharding.is_distributed(self.model):
                     self.model.set_requires_gradient_sync(sync_each or n == len(micro_batches) - 1)
-                _, logits = self._forward(self.model, ids, mask)
+                logits = self._forward(self.model, ids, mask)[1]
                 if not idx:
                     (logits.sum() * 0).backward()
                     continue
@@ -401,11 +397,15 @@ class DraftLearner:
         device: str = "cpu",
         seed: int = 0,
         checkpoints: str | None = None,
+        new_head_kind: str = "eagle",
     ):
         target = AutoModelForCausalLM.from_pretrained(policy_dir)
-        self.head: DraftHead = (
-            load_head(init, policy_dir, target) if init else new_head(policy_dir, target, seed)
-        )
+        if init:
+            self.head: DraftHead = load_head(init, policy_dir, target)
+        else:
+            layers = target.config.num_hidden_layers
+            aux = eagle3_aux_layers(layers) if new_head_kind == "eagle3" else None
+            self.head = new_head(policy_dir, target, seed, aux_layers=aux)
         del target
         self.head.to(device)
         self.device = device
