@@ -37,7 +37,7 @@ def test_bf16_autocast_matches_fp32(tiny_target):
     results = {}
     for autocast in ("off", "bfloat16"):
         learner = PolicyLearner(tiny_target, PolicySettings(autocast=autocast))
-        _, logits = learner._forward(learner.model, ids, mask)
+        _, logits, _ = learner._forward(learner.model, ids, mask)
         logp = response_logprobs(logits, ids)
         old = results["off"][2] + shift if results else logp.detach() + shift
         loss, _ = grpo_loss(logp, old, adv, resp)

@@ -251,6 +251,9 @@ def _is_private(name: str) -> bool:
 
 
 def _on_own_object(node: ast.AST) -> bool:
+    """`self`, `cls` or `super()`: a class reaching into what it defines or inherits."""
+    if isinstance(node, ast.Call):
+        return isinstance(node.func, ast.Name) and node.func.id == "super" and not node.args
     return isinstance(node, ast.Name) and node.id in ("self", "cls")
 
 
@@ -297,7 +300,8 @@ def test_internal_uses_finds_each_kind_of_reach_into_vllm():
         llm.llm_engine.engine_core.engine_core.scheduler
         registry._collector_to_names
         getattr(self.model_runner, "_grpo_group", None)
-        self._mine, getattr(self, "_mine"), obj.__class__
+        self._mine, getattr(self, "_mine"), obj.__class__, super()._mine
+        super(Other, obj)._theirs
         """
     )
     assert sorted(use.split(": ", 1)[1] for use in internal_uses("x.py", source)) == [
@@ -307,6 +311,7 @@ def test_internal_uses_finds_each_kind_of_reach_into_vllm():
         "llm.llm_engine.engine_core",
         "llm.llm_engine.engine_core.engine_core",
         "registry._collector_to_names",
+        "super(Other, obj)._theirs",
     ]
 
 
