@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 
 from vllm_plugin.manifest import WeightSwapError
-from vllm_plugin.swap_folder import swap_folder
+from vllm_plugin.swap_folder import process_alive, swap_folder, writer_pid
 
 
 @contextmanager
@@ -52,27 +51,14 @@ def swap_file(
         path.unlink(missing_ok=True)
 
 
-_WRITER = re.compile(r"-p(\d+)-[0-9a-f]{8}\.safetensors$")
-
-
 def sweep_orphans(folder: Path) -> list[Path]:
     """Remove the weight files whose writer process is gone: a trainer killed (SIGKILL, the
     OOM killer) between writing a file and removing it never removes it, and the folder
     lives in RAM. A file an engine still has open stays readable through its descriptor."""
     removed = []
     for path in folder.glob("*.safetensors"):
-        match = _WRITER.search(path.name)
-        if match and not _alive(int(match.group(1))):
+        pid = writer_pid(path)
+        if pid is not None and not process_alive(pid):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True

@@ -78,10 +78,7 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
         role = "draft" if self.draft else "policy"
         with swap_file(role, weights, version, self.metadata) as path:
             written = time.perf_counter() - start
-            if self.draft:
-                self.client.start_draft_weight_update()
-            else:
-                self.client.start_weight_update()
+            self._start()
             try:
                 self.client.update_weights({"path": str(path), "version": version})
             except BaseException:
@@ -91,6 +88,34 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
             self.client.finish_weight_update(None if self.draft else str(version))
         self.client.reset_prefix_cache()
         return written
+
+    def _start(self) -> None:
+        """Open the update session; one left open by a trainer that died is ended first
+        (its load undone), one a live trainer holds is an error naming it."""
+        start = (
+            self.client.start_draft_weight_update if self.draft else self.client.start_weight_update
+        )
+        try:
+            start()
+        except Exception as err:
+            # vLLM refuses a start while a session is open ("already active"; over HTTP
+            # only a status 500 says so): ask the engine whether its session is stale.
+            ended = self.client.end_stale_weight_update()
+            if not ended["ended"]:
+                raise RuntimeError(
+                    f"could not open a weight update session ({err}); the engine says: "
+                    f"{ended['reason']}"
+                ) from err
+            start()
+
+
+def merged_session_ends(per_rank: list[dict]) -> dict:
+    """One answer for all ranks to `grpo_end_stale_weight_update`: ended where every rank
+    ended its session."""
+    return {
+        "ended": all(r["ended"] for r in per_rank),
+        "reason": "; ".join(sorted({r["reason"] for r in per_rank})),
+    }
 
 
 class LLMClient:
@@ -116,6 +141,9 @@ class LLMClient:
 
     def abort_weight_update(self) -> None:
         self.llm.collective_rpc("grpo_abort_weight_update")
+
+    def end_stale_weight_update(self) -> dict:
+        return merged_session_ends(self.llm.collective_rpc("grpo_end_stale_weight_update"))
 
     def reset_prefix_cache(self) -> None:
         check_cache_reset(self.llm.reset_prefix_cache(reset_running_requests=True))
@@ -144,6 +172,17 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
 
     def abort_weight_update(self) -> None:
         self._post("collective_rpc", {"method": "grpo_abort_weight_update"})
+
+    def end_stale_weight_update(self) -> dict:
+        import requests
+
+        response = requests.post(
+            f"{self.base_url}/collective_rpc",
+            json={"method": "grpo_end_stale_weight_update"},
+            timeout=self.timeout,
+        )
+        response.raise_for_status()
+        return merged_session_ends(response.json()["results"])
 
     def reset_prefix_cache(self) -> None:
         import requests
@@ -192,6 +231,9 @@ class RPCClient:
 
     def abort_weight_update(self) -> None:
         self.rpc("grpo_abort_weight_update", None)
+
+    def end_stale_weight_update(self) -> dict:
+        return merged_session_ends(self.rpc("grpo_end_stale_weight_update", None))
 
 
 def register() -> None:

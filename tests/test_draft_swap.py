@@ -442,3 +442,51 @@ def test_reduced_vocab_speculation_is_lossless_and_swappable(
     reduced_engine.swap_weights("draft", noisy, version=3)
     after = reduced_engine.generate(questions, GREEDY)
     assert [g[0].token_ids for g in after.outputs] == [g[0].token_ids for g in plain.outputs]
+
+
+def test_a_session_left_open_by_a_dead_trainer_is_undone_not_served(
+    swap_engine, trained_head, questions
+):
+    """A trainer that dies between `start_draft_weight_update` and `finish_weight_update`
+    left its loaded (scrambled) head serving under the old version, and vLLM's worker
+    refusing every later start ("already active"). Now the engine undoes the dead
+    trainer's load before it generates, and the next trainer's swap goes through; a
+    session a live trainer holds is refused by name."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from tests.conftest import scrambled
+    from vllm_plugin.swap_folder import swap_folder
+
+    meta = trained_head.swap_metadata()
+    weights = trained_head.export_state_dict(torch.float32)
+    swap_engine.swap_weights("draft", weights, 50, meta)
+    good = swap_engine.generate(questions, GREEDY)
+
+    def open_session(pid: int, version: int) -> None:
+        path = swap_folder() / f"draft-v{version}-p{pid}-0123abcd.safetensors"
+        save_file(scrambled(weights), str(path), metadata=meta)
+        try:
+            swap_engine.llm.start_draft_weight_update()
+            swap_engine.llm.update_weights({"update_info": {"path": str(path), "version": version}})
+        finally:
+            path.unlink()
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    open_session(dead.pid, 51)
+    after = swap_engine.generate(questions, GREEDY)
+    assert after.spec == good.spec  # the trained head's drafts, not the scrambled one's
+    assert swap_engine.weight_versions()["draft"] == 50
+    swap_engine.swap_weights("draft", weights, 52, meta)
+    assert swap_engine.weight_versions()["draft"] == 52
+
+    open_session(os.getpid(), 53)  # a live trainer, mid-update
+    with pytest.raises(RuntimeError, match=rf"trainer \(pid {os.getpid()}\) is alive"):
+        swap_engine.swap_weights("draft", weights, 54, meta)
+    swap_engine.llm.finish_weight_update()
+    assert swap_engine.weight_versions()["draft"] == 53
+    swap_engine.swap_weights("draft", weights, 55, meta)  # a whole head again for what follows

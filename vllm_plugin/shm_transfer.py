@@ -24,6 +24,7 @@ the update on all of them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from vllm.distributed.weight_transfer.base import (
@@ -33,7 +34,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_plugin.group_drafter import stamp_policy_version
+from vllm_plugin.swap_folder import process_alive, writer_pid
 from vllm_plugin.weight_swap import WeightSwaps
+
+# An update session that was opened and sent no weights for this long is taken for one
+# whose trainer died before its first file (a live trainer writes its file before it
+# opens the session, so it sends within seconds).
+EMPTY_SESSION_STALE_S = 300.0
 
 BACKEND = "grpo_shm"
 
@@ -57,6 +64,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         self.swaps = WeightSwaps(vllm_config)
         self._role: str | None = None
+        self._opened_at = 0.0
+        self.sender: int | None = None  # pid of the trainer that sent this session's file
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         pass
@@ -64,6 +73,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def start_weight_update(self) -> None:
         # vLLM points `model` at the draft for start_draft_weight_update.
         self._role = "policy" if self.model is self._default_model else "draft"
+        self._opened_at, self.sender = time.monotonic(), None
 
     def update_weights(self, update_info: dict) -> None:
         # The base class would synchronise an accelerator after receiving; a load from a
@@ -75,6 +85,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             raise ValueError(
                 f"update_info.version must be an int >= 0, got {update_info.version!r}"
             )
+        self.sender = writer_pid(update_info.path)
         self.swaps.load(
             self._role, self.model, self.model_config, update_info.path, update_info.version
         )
@@ -85,6 +96,36 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         if committed is not None and self._role == "policy":
             stamp_policy_version(self._default_model, committed)
         self._role = None
+
+    def describe_session(self) -> str:
+        idle = time.monotonic() - self._opened_at
+        if self.sender is not None:
+            return (
+                f"the {self._role} update session opened {idle:.0f} s ago is held: its "
+                f"trainer (pid {self.sender}) is alive"
+            )
+        return (
+            f"the {self._role} update session opened {idle:.0f} s ago has sent nothing yet "
+            f"(one that sends nothing for {EMPTY_SESSION_STALE_S:.0f} s is ended)"
+        )
+
+    def stale_session(self) -> str | None:
+        """Why the open update session has no live trainer behind it (its sender died,
+        or it sent nothing for EMPTY_SESSION_STALE_S); None for no session or a live one."""
+        if self._role is None:
+            return None
+        if self.sender is not None:
+            if process_alive(self.sender):
+                return None
+            loaded = self._role in self.swaps.pending
+            return (
+                f"the trainer (pid {self.sender}) that sent a {self._role} update died before "
+                + ("committing it" if loaded else "its load finished")
+            )
+        idle = time.monotonic() - self._opened_at
+        if idle < EMPTY_SESSION_STALE_S:
+            return None
+        return f"a {self._role} update session was opened {idle:.0f} s ago and sent nothing"
 
     def abort(self) -> None:
         """Back to the weights this rank had before the update began (see weight_swap)."""

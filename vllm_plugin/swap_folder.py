@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -74,3 +75,23 @@ def open_swap_file(path: str) -> int:
             f"refused weight file {path}: not a regular file owned by this user (uid {os.getuid()})"
         )
     return fd
+
+
+# Weight files are named <role>-v<version>-p<writer pid>-<8 hex>.safetensors.
+_WRITER = re.compile(r"-p(\d+)-[0-9a-f]{8}\.safetensors$")
+
+
+def writer_pid(path: str | Path) -> int | None:
+    """The pid of the process that wrote the weight file at `path`, from its name."""
+    match = _WRITER.search(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

@@ -25,6 +25,7 @@ no room for: per-role versions from every rank, the abort, and the group drafter
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -45,6 +46,8 @@ from vllm_plugin.manifest import (
 )
 from vllm_plugin.patches.group_drafts_v0_32 import group_drafter
 from vllm_plugin.swap_folder import open_swap_file
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("policy", "draft")
 
@@ -213,9 +216,28 @@ class WeightSwapExtension:
         reported until the first swap of each role."""
         self._grpo_transfer().swaps.declare(versions)
 
+    def grpo_end_stale_weight_update(self) -> dict:
+        """End an update session that no live trainer holds (a trainer that died between
+        `start_*` and `finish_weight_update` leaves vLLM's worker refusing every later
+        start), undoing what it loaded. {"ended": bool, "reason": str}."""
+        engine = self._grpo_transfer()
+        if not getattr(self, "_weight_update_active", False):
+            return {"ended": False, "reason": "no weight update session is open"}
+        why = engine.stale_session()
+        if why is None:
+            return {"ended": False, "reason": engine.describe_session()}
+        logger.warning("ending a weight update session: %s; its load is undone", why)
+        self.grpo_abort_weight_update()
+        return {"ended": True, "reason": why}
+
     def grpo_mixed_weights(self) -> dict[str, str]:
-        """Role -> why its weights may be a mix; empty while every role holds a whole set."""
-        return dict(self._grpo_transfer().swaps.mixed)
+        """Role -> why its weights may be a mix; empty while every role holds a whole set.
+        Weights loaded by a trainer that died before committing them are undone first: the
+        engine would otherwise serve them under the old version."""
+        engine = self._grpo_transfer()
+        if engine.sender is not None and engine.stale_session() is not None:
+            self.grpo_end_stale_weight_update()
+        return dict(engine.swaps.mixed)
 
     def _grpo_group_drafter(self):
         drafter = group_drafter(self.model_runner)
