@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import vllm_plugin
+from grpo_specdec.draft_watch import DraftWatch, Head, Rollback
 from grpo_specdec.engine_config import EngineConfig, SamplingSettings
-from grpo_specdec.modelcheck import draft_method
+from grpo_specdec.modelcheck import draft_method, read_config
 from grpo_specdec.tasks.datasets import ChatPrompt
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin import patches
@@ -124,6 +125,9 @@ class GenerationResult:
     # first scheduling: when it was first scheduled and its last token came (vLLM's stamps).
     scheduled_s: list[float] = field(default_factory=list)
     finished_s: list[float] = field(default_factory=list)
+    # Set when this call's drafts showed the draft head just swapped in had collapsed and
+    # the engine went back to the one it replaced (draft_watch.py).
+    draft_rollback: Rollback | None = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -135,6 +139,22 @@ class GenerationResult:
             "spec": self.spec,
             "wall_s": self.wall_s,
         }
+
+
+def _starting_head(draft: str) -> Head:
+    """The head an engine starts from, as the watch's first fallback: version 0 (until
+    declared otherwise), its weights read from the folder only if it is ever needed."""
+    from safetensors.torch import load_file
+
+    def weights() -> dict:
+        return {
+            k: v for f in sorted(Path(draft).glob("*.safetensors")) for k, v in load_file(f).items()
+        }
+
+    cfg = read_config(draft, "draft")
+    return Head(
+        weights, 0, {"hidden_size": str(cfg["hidden_size"]), "vocab_size": str(cfg["vocab_size"])}
+    )
 
 
 class Engine:
@@ -214,6 +234,12 @@ class Engine:
         self.patches = patches.acting(vllm_plugin.PATCHED, self.runner)
         if spec is not None:
             self._check_runner(spec)
+        self.draft_watch = (
+            DraftWatch(_starting_head(spec.draft))
+            if spec is not None and spec.draft and spec.draft_watch
+            else None
+        )
+        self.draft_rollbacks: list[Rollback] = []  # every return to a replaced head
 
     def _check_runner(self, spec) -> None:
         """Refuse a feature that cannot act on the runner this engine got; say what is lost."""
@@ -337,7 +363,23 @@ class Engine:
             wall,
             [r.metrics.scheduled_ts - t0 for r in raw],
             [r.metrics.last_token_ts - t0 for r in raw],
+            self._watch_draft(counters),
         )
+
+    def _watch_draft(self, counters: SpecCounters) -> Rollback | None:
+        """Count this call's drafts for the serving head; go back to the head it replaced
+        if it collapsed (draft_watch.py). The rollback, if one happened."""
+        if self.draft_watch is None:
+            return None
+        rollback = self.draft_watch.observe(counters.draft_tokens, counters.accepted_tokens)
+        if rollback is None:
+            return None
+        head = self.draft_watch.fallback
+        self._send_weights("draft", head.state_dict(), head.version, head.metadata)
+        self.draft_watch.rolled_back()
+        logger.warning(rollback.describe())
+        self.draft_rollbacks.append(rollback)
+        return rollback
 
     def _request_seed(self, seed: int | None) -> int | None:
         # vLLM 0.32 on CPU cannot combine per-request seeds with speculative decoding
@@ -368,6 +410,14 @@ class Engine:
         loaded the new ones goes back). `metadata` declares config facts the weights were
         built for (e.g. vocab_size); the engine rejects them if its model differs.
         """
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        report = self._send_weights(role, weights, version, metadata)
+        if role == "draft" and self.draft_watch is not None:
+            self.draft_watch.swapped(Head(weights, version, metadata))
+        return report
+
+    def _send_weights(self, role: str, weights: dict, version: int, metadata: dict | None) -> dict:
         from grpo_specdec.weight_transfer import (
             LLMClient,
             ShmTrainerEngine,
@@ -375,8 +425,6 @@ class Engine:
             StateDictSource,
         )
 
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         start = time.perf_counter()
         sender = self._senders.get(role)
         if sender is None:
@@ -424,6 +472,8 @@ class Engine:
         """Number the weights the engine started from (e.g. a checkpoint's policy and draft
         versions); `weight_versions` reports them until each role's next swap."""
         self.llm.collective_rpc("grpo_declare_weight_versions", args=(versions,))
+        if "draft" in versions and self.draft_watch is not None:
+            self.draft_watch.serving.version = versions["draft"]
 
     def shutdown(self) -> None:
         engine = getattr(self, "llm", None)

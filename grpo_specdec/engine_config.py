@@ -31,6 +31,11 @@ class SpeculativeSettings(StrictModel):
         "hands q to verification, accepted with probability sum(min(p, q))",
     )
     concurrency_aware: bool = Field(False, description="choose k each step with the controller")
+    draft_watch: bool = Field(
+        True,
+        description="after each draft swap, go back to the replaced head if the new one's "
+        "acceptance collapses (grpo_specdec/draft_watch.py)",
+    )
     controller: ControllerSettings = ControllerSettings()
     batch_size_table: list[tuple[int, int, int]] | None = Field(
         None,

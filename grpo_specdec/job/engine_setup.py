@@ -80,6 +80,9 @@ def engine_config(
             "draft_sampling": r.draft_sampling,
             "concurrency_aware": r.speculation == "concurrency_aware",
             "controller": {**r.controller.model_dump(), "profile": profile},
+            # Each engine would judge and roll back its draft alone, and engines that
+            # disagree on the draft's version stop the job: with several, the watch is off.
+            "draft_watch": cfg.ray.rollout_workers == 1,
         }
     return {
         "model": policy_dir,

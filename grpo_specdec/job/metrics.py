@@ -52,6 +52,7 @@ def iteration_record(
         **(rollout.sources or {}),
         "engine_policy_version": versions["policy"],
         "engine_draft_version": versions["draft"],
+        "draft_rollbacks": rollout.draft_rollbacks,
         **policy_stats,
         **draft_stats,
     }

@@ -3,7 +3,7 @@ generations into a Rollout; `actors.py` wraps it for Ray."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, SpecCounters
 from vllm_plugin.controller import FixedPolicy
@@ -21,6 +21,9 @@ class Rollout:
     # rollout, and the history the drafter holds after it.
     sources: dict | None = None
     finished_s: list[float] | None = None  # per request, its last token's time into the rollout
+    # The engine's returns to a replaced draft head after this rollout's drafts showed the
+    # head just swapped in had collapsed (draft_watch.py), as sentences.
+    draft_rollbacks: list[str] = field(default_factory=list)
 
     @staticmethod
     def gather(parts: list[Rollout]) -> Rollout:
@@ -76,6 +79,7 @@ def _joined(parts: list[Rollout], wall_s: float, finished_s: list[float]) -> Rol
         k_steps,
         sources,
         finished_s,
+        [x for p in parts for x in p.draft_rollbacks],
     )
 
 
@@ -124,6 +128,7 @@ class RolloutWorker:
             k_steps,
             before and _source_counts(before, self.engine.group_draft_stats()),
             res.finished_s,
+            [res.draft_rollback.describe()] if res.draft_rollback else [],
         )
 
     def forget_caches(self) -> None:

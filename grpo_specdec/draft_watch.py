@@ -1,0 +1,101 @@
+"""After a draft swap, the new head's acceptance against the head it replaced.
+
+The field's known silent failure is a draft that stops being accepted: after a sleep/wake
+the draft's weights are gone (SGLang #31674, acceptance length ~1.0, rollouts 25% slower,
+no error), or a sync leaves it broken (miles #1926, 2.71 -> 1.00). Speculation stays
+lossless, so nothing else notices. The engine keeps the head it replaced; once the new one
+has drafted MIN_DRAFT_TOKENS, a new head whose acceptance rate is, beyond sampling noise,
+below COLLAPSE_RATIO of its predecessor's is replaced by that predecessor.
+
+Why half: a head that learns online between rollouts moves acceptance by a few points (the
+learning run's MAL moves by ~0.2 between iterations, docs/benchmarks/learning_run.md),
+while one whose weights are lost or scrambled accepts next to nothing: halving is far from
+the first and well short of the second. "Beyond noise": the new rate's upper bound, Z
+binomial standard errors above it, must be below the line, so a few hundred drafts of a
+sound head cannot trip it by chance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MIN_DRAFT_TOKENS = 100
+COLLAPSE_RATIO = 0.5
+Z = 3.0
+
+
+@dataclass
+class Head:
+    """A head the engine served: its weights (as swapped in, or how to read them), version
+    and metadata, and its drafts counted while it served."""
+
+    weights: dict | Callable[[], dict]
+    version: int
+    metadata: dict | None
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self.drafted >= MIN_DRAFT_TOKENS
+
+    def state_dict(self) -> dict:
+        return self.weights() if callable(self.weights) else self.weights
+
+
+@dataclass
+class Rollback:
+    """The engine went back from head `version` to head `to`."""
+
+    version: int
+    to: int
+    rate: float
+    previous_rate: float
+    drafted: int
+
+    def describe(self) -> str:
+        return (
+            f"draft head version {self.version} had {self.rate:.3f} of {self.drafted} drafts "
+            f"accepted against version {self.to}'s {self.previous_rate:.3f}: the engine is back "
+            f"on version {self.to}"
+        )
+
+
+class DraftWatch:
+    def __init__(self, serving: Head):
+        self.serving = serving  # the head the engine started with, then each swapped in
+        self.fallback: Head | None = None  # a measured head the serving one is judged against
+
+    def swapped(self, new: Head) -> None:
+        """`new` now serves. The head it replaced becomes the fallback if it drafted enough
+        to be judged by; else the fallback before it stays."""
+        if self.serving.measured:
+            self.fallback = self.serving
+        self.serving = new
+
+    def observe(self, drafted: int, accepted: int) -> Rollback | None:
+        """Count the serving head's drafts; a Rollback when it has collapsed against the
+        fallback (the caller swaps the fallback back in and calls `rolled_back`)."""
+        head = self.serving
+        head.drafted += drafted
+        head.accepted += accepted
+        fallback = self.fallback
+        if fallback is None or not head.measured:
+            return None
+        n, rate = head.drafted, head.rate
+        upper = rate + Z * math.sqrt(max(rate * (1 - rate), 1 / n) / n)
+        if upper < COLLAPSE_RATIO * fallback.rate:
+            return Rollback(head.version, fallback.version, rate, fallback.rate, n)
+        self.fallback = None  # proven: judged no further
+        return None
+
+    def rolled_back(self) -> Head:
+        """The fallback serves again; returns it."""
+        head, self.serving, self.fallback = self.fallback, self.fallback, None
+        return head
