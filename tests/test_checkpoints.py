@@ -145,3 +145,35 @@ def test_replace_dir_puts_back_the_old_folder_a_crash_left_aside(tmp_path):
     newer.mkdir()
     replace_dir(newer, dst)
     assert not (tmp_path / ".head.old").exists() and not (dst / "weights").exists()
+
+
+def test_a_resume_s_copies_and_moves_reach_the_disk(tmp_path, monkeypatch):
+    """A checkpoint of another run copied in is fsynced before `latest` names it, and the
+    folders the later checkpoints move between are fsynced (without, a power loss can
+    leave `latest` naming empty files, or lose the moved checkpoints)."""
+    other, root = tmp_path / "other" / "checkpoints", tmp_path / "run" / "checkpoints"
+    other.mkdir(parents=True)
+    for it in (1, 2):
+        Checkpointer(other, log=lambda _: None).write(it, it, {}, _save_roles)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))
+    )
+    ckpt = resume_timeline(root, other / "iter_000001", log=lambda _: None)
+    assert str(root / ".tmp_iter_000001" / "policy" / "model.safetensors") in synced
+    assert str(root) in synced and ckpt == root / "iter_000001"
+
+    Checkpointer(root, log=lambda _: None).write(2, 2, {}, _save_roles)
+    synced.clear()
+    resume_timeline(root, root / "iter_000001", log=lambda _: None)
+    aside = root / "abandoned" / "after_iter_000001"
+    assert (aside / "iter_000002").is_dir()
+    assert {str(aside), str(aside.parent), str(root)} <= set(synced)
+
+
+def _save_roles(folder):
+    (folder / "policy").mkdir()
+    (folder / "policy" / "model.safetensors").write_bytes(b"weights")
+    (folder / "policy" / "config.json").write_text("{}")
+    (folder / "policy_state.pt").write_bytes(b"state")

@@ -316,6 +316,7 @@ def test_iteration_record_carries_sync_times_and_the_draft_lag():
 
     spec = {"acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "per_position_acceptance": []}
     rollout = Rollout([[1]], [[[2, 3], [4]]], [["a", "b"]], spec, 0.5, {0: 1, 2: 3})
+    rollout.draft_rollbacks = ["draft head version 3 had 0.010 of 300 drafts accepted ..."]
     record = iteration_record(
         4,
         torch.tensor([[1.0, 0.0]]),
@@ -335,6 +336,7 @@ def test_iteration_record_carries_sync_times_and_the_draft_lag():
     assert record["draft_policy_lag"] == 1
     assert record["policy_sync_s"] == 0.2 and record["draft_sync_s"] == 0.0
     assert "draft_seconds" not in record
+    assert record["draft_rollbacks"] == rollout.draft_rollbacks  # the engine's watch
 
 
 def test_rollouts_made_one_after_another_add_their_times_and_keep_the_last_history():
@@ -357,6 +359,8 @@ def test_rollouts_made_one_after_another_add_their_times_and_keep_the_last_histo
     assert chained.sources == {"model_draft_tokens": 12, "group_history_positions": 25}
     side_by_side = Rollout.gather([first, second])
     assert side_by_side.wall_s == 3.0 and side_by_side.sources["group_history_positions"] == 35
+    second.draft_rollbacks = ["back to version 2"]
+    assert Rollout.chain([first, second]).draft_rollbacks == ["back to version 2"]
 
 
 def test_an_engine_the_driver_starts_logs_to_the_file_too(tmp_path):
@@ -465,3 +469,75 @@ def test_a_resume_with_bad_data_moves_no_checkpoint(tiny_target, tiny_draft, tmp
     with pytest.raises(FileNotFoundError, match="gone.jsonl does not exist"):
         Job(bad, resume=str(first))
     assert ckpts.latest() == second and second.is_dir()
+
+
+def test_a_draft_for_another_model_is_refused_by_its_config_name(tiny_target, tiny_draft, tmp_path):
+    """Checked by the driver before Ray starts (the learner and the engines each failed on
+    it inside their actors, a Ray traceback)."""
+    import shutil
+
+    from grpo_specdec.config import load_yaml
+    from grpo_specdec.job.config import TrainConfig
+    from grpo_specdec.job.run import Job
+    from tests.conftest import TINY_JOB_CONFIG
+
+    bad = tmp_path / "wide_draft"
+    shutil.copytree(tiny_draft, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": 256}))
+    out = tmp_path / "run"
+    overrides = [f"model.policy={tiny_target}", f"model.draft={bad}", f"out={out}"]
+    with pytest.raises(ValueError, match=r"^model.draft: draft: .* was built for hidden_size=256"):
+        Job(load_yaml(TrainConfig, TINY_JOB_CONFIG, overrides))
+    assert not out.exists()
+
+
+def test_a_frozen_run_s_checkpoint_starts_an_online_learner_from_its_head(
+    tiny_target, tiny_draft, tmp_path
+):
+    """A run with `draft.online: false` checkpoints the head it served and no learner state;
+    resumed with the draft online, the learner starts from that head (it failed in its
+    actor reading draft_state.pt)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from grpo_specdec.draft.trainer import DraftTrainConfig
+    from grpo_specdec.job.roles import DraftLearner
+
+    def frozen_roles(folder):
+        _roles_writing("1")(folder)
+        shutil.copytree(tiny_draft, folder / "draft")
+
+    ckpts = Checkpointer(tmp_path / "checkpoints", log=lambda _: None)
+    ckpt = ckpts.write(1, 4, {}, frozen_roles)
+    learner = DraftLearner(
+        tiny_target, str(ckpt / "draft"), DraftTrainConfig(), checkpoints=str(ckpts.root)
+    )
+    assert learner.resumed_from is None and learner.version == 0
+    served = load_file(str(ckpt / "draft" / "model.safetensors"))
+    for name, tensor in learner.head.export_state_dict().items():
+        assert torch.equal(tensor, served[name].to(tensor.dtype)), name
+
+
+def test_the_comparison_s_engine_that_never_starts_is_given_up_by_name():
+    """Outside the job's placement groups Ray waits for room for the extra engine as long
+    as it takes (the job hung after its last iteration): it gets `start_timeout_s`."""
+    from grpo_specdec.job.compare import started
+    from grpo_specdec.job.config import RaySettings
+
+    killed, waited = [], []
+
+    class Pending:
+        class __ray_ready__:  # noqa: N801 (Ray's name)
+            @staticmethod
+            def remote():
+                return "ready"
+
+    def never(refs, timeout):
+        waited.append(timeout)
+        return [], refs
+
+    with pytest.raises(RuntimeError, match=r"did not start within 5 s \(compare.start_timeout_s\)"):
+        started(Pending(), 5.0, RaySettings(rollout_gpus=1), wait=never, kill=killed.append)
+    assert waited == [5.0] and len(killed) == 1

@@ -214,7 +214,9 @@ def resume_timeline(root: Path, ckpt: Path, log=print) -> Path:
         copy = root / f".tmp_{ckpt.name}"
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(ckpt, copy)
+        sync_tree(copy)  # on the disk before `latest` can name it
         os.replace(copy, root / ckpt.name)
+        sync_dir(root)
         log(f"copied checkpoint {ckpt} to {root / ckpt.name}")
         ckpt = root / ckpt.name
     point_latest_at(root, ckpt)
@@ -257,7 +259,8 @@ def _move_later_aside(root: Path, after: int, name: str, log) -> None:
     aside.mkdir(parents=True)
     for path in later:
         os.replace(path, aside / path.name)
-    sync_dir(root)
+    for folder in (aside, aside.parent, root):  # both ends of each rename, and the new folders
+        sync_dir(folder)
     log(
         f"resuming from {name}: moved the later checkpoints {', '.join(p.name for p in later)} to {aside}"
     )

@@ -48,6 +48,21 @@ def requests_of(batch: Batch, cfg: CompareSettings, seed: int) -> tuple[list[str
     return shape.prompts, sampling, {"seeds": shape.seeds, "max_tokens": shape.max_tokens}
 
 
+def started(actor, timeout_s: float, ray_cfg, wait=ray.wait, kill=ray.kill) -> None:
+    """Wait for the comparison's engine to start, at most `timeout_s`."""
+    ready = actor.__ray_ready__.remote()
+    done, _ = wait([ready], timeout=timeout_s)
+    if not done:
+        kill(actor)
+        raise RuntimeError(
+            f"the comparison's engine without speculation did not start within {timeout_s:.0f} s "
+            f"(compare.start_timeout_s): it needs ray.rollout_cpus={ray_cfg.rollout_cpus}, "
+            f"ray.rollout_gpus={ray_cfg.rollout_gpus} beside the job's own engines, which the "
+            "cluster may not have free; the run's checkpoints are complete"
+        )
+    ray.get(ready)  # a start that failed raises its error here
+
+
 def compare_rollout(
     roles: Roles,
     checkpoint: Path,
@@ -64,7 +79,9 @@ def compare_rollout(
     prompts, sampling, per_request = requests_of(batch, cfg, seed)
     plain_cfg = {**roles.engine_cfg, "model": str(checkpoint / "policy"), "speculative": None}
     plain = roles.placement.actor("rollout", None).remote(plain_cfg, {})
-    ray.get(plain.__ray_ready__.remote())  # start-up is not part of the comparison
+    # Start-up is not part of the comparison; it must end, though: outside the job's
+    # placement groups, Ray waits for room for this engine for as long as it takes.
+    started(plain, cfg.start_timeout_s, roles.placement.cfg)
     job_engine = roles.rollouts[0]
     rows = {NO_SPEC: (plain, None), f"speculation: {speculation}": (job_engine, None)}
     rows |= {f"fixed k = {k}": (job_engine, k) for k in cfg.fixed_k}

@@ -274,6 +274,12 @@ class CompareSettings(StrictModel):
         "answers (natural EOS, the same budgets, no per-request seeds); the equal-token rounds "
         "make text past EOS that a real rollout never makes, where drafts are accepted less",
     )
+    start_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="how long the engine without speculation may take to be placed and start",
+    )
 
     def cap_and_median(self, max_tokens: int) -> tuple[int, int]:
         """tail: the global cap and the budgets' median, defaults filled from the rollout's."""

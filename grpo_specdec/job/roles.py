@@ -415,7 +415,9 @@ class DraftLearner:
         self.trained_on_policy = 0
         self.resumed_from: str | None = None
         latest = latest_checkpoint(Path(checkpoints)) if checkpoints else None
-        if latest is not None:
+        # A checkpoint of a run whose draft was frozen holds the head it served (`init`
+        # here) but no learner state: learning starts from that head.
+        if latest is not None and (latest / "draft_state.pt").is_file():
             self.load(latest)
             self.resumed_from = str(latest)
         self._last_good = copy.deepcopy(self.trainer.state_dict())

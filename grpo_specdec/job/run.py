@@ -35,6 +35,7 @@ from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_rec
 from grpo_specdec.job.models import resolve_model
 from grpo_specdec.job.roles import PolicyBatch
 from grpo_specdec.job.rollout_worker import Rollout
+from grpo_specdec.modelcheck import check_draft_matches_target
 from grpo_specdec.tasks.rewards import GRADERS, has_answer_format, overlong_penalty
 from vllm_plugin.manifest import read_manifest
 
@@ -47,6 +48,11 @@ class Job:
         self.out = Path(cfg.out)
         base_policy = resolve_model(cfg.model.policy)
         base_draft = cfg.model.draft and resolve_model(cfg.model.draft)
+        if base_draft and cfg.rollout.speculation != "off":
+            try:  # the learner and the engines would each fail on it inside their actors
+                check_draft_matches_target(base_draft, base_policy)
+            except ValueError as err:
+                raise ValueError(f"model.draft: {err}") from None
         check_context_length(cfg, base_policy, base_draft)
         # Everything that reads input is checked before a resume moves any checkpoint.
         data, kind = cfg.data, cfg.reward.kind
@@ -103,6 +109,8 @@ class Job:
         seconds, lap = {}, _stopwatch()
         examples, rollout, per_engine, rewards, correct = self._roll_out()
         seconds["generation"] = lap()
+        for rollback in rollout.draft_rollbacks:
+            self.log(f"iteration {self.iteration + 1}: {rollback}")
 
         advantages, informative = group_advantages(rewards)
         informative = first_informative(informative, self.cfg.rollout.prompts_per_iteration)
