@@ -15,6 +15,7 @@ from grpo_specdec.job.config import TrainConfig
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
 from tests.conftest import job_overrides, job_records
 from vllm_plugin.manifest import MixedWeightsError
+from vllm_plugin.swap_folder import process_alive, swap_folder, writer_pid
 
 pytestmark = pytest.mark.slow
 
@@ -137,6 +138,7 @@ def test_job_recovers_from_faults_and_loses_nothing(
         ],
     )
     log: list[str] = []
+    before = set(swap_folder().glob("*.safetensors"))
     job = Job(cfg, log=log.append)
     try:
         job.run()  # iteration 1, checkpoint 1
@@ -224,3 +226,11 @@ def test_job_recovers_from_faults_and_loses_nothing(
         job.shutdown()
     iterations = [r["iteration"] for r in job_records(out)]
     assert iterations == sorted(set(iterations)) == list(range(1, len(iterations) + 1))
+    # Every weight file the job's trainers wrote is gone, killed writers' included (a live
+    # writer's may be another test's swap in flight).
+    left = [
+        p.name
+        for p in set(swap_folder().glob("*.safetensors")) - before
+        if (pid := writer_pid(p)) is None or not process_alive(pid)
+    ]
+    assert not left, f"weight files left in the swap folder: {left}"
