@@ -541,3 +541,37 @@ def test_the_comparison_s_engine_that_never_starts_is_given_up_by_name():
     with pytest.raises(RuntimeError, match=r"did not start within 5 s \(compare.start_timeout_s\)"):
         started(Pending(), 5.0, RaySettings(rollout_gpus=1), wait=never, kill=killed.append)
     assert waited == [5.0] and len(killed) == 1
+
+
+def test_tensorboard_shows_each_iteration_once_after_a_restart_and_a_resume(tmp_path):
+    """Iterations run again after a restart (from checkpoint 1) or a resume (from 2) were
+    logged to TensorBoard a second time: 1, 2, 3, 2, 3, 3 steps before."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from grpo_specdec.job.metrics import MetricsSink
+
+    def record(iteration: int, reward: float) -> dict:
+        return {
+            "iteration": iteration,
+            "reward_mean": reward,
+            "mean_acceptance_length": 1.0,
+            "tokens_per_s": 1.0,
+            "per_position_acceptance": [],
+            "k_steps": {},
+        }
+
+    with MetricsSink(tmp_path, 0, 3) as sink:
+        for i in (1, 2, 3):
+            sink.write(record(i, 0.0))
+        sink.rewind(1)
+        for i in (2, 3):
+            sink.write(record(i, 1.0))
+    with MetricsSink(tmp_path, 2, 3) as sink:
+        sink.write(record(3, 2.0))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [
+        (1, 0.0),
+        (2, 1.0),
+        (3, 2.0),
+    ]

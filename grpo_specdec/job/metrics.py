@@ -96,11 +96,16 @@ class MetricsSink:
     come, and a progress bar from `first` to `last` iteration."""
 
     def __init__(self, out: Path, first: int, last: int):
+        self.path = out / "metrics.jsonl"
+        self.tensorboard = self._tensorboard(first)
+        self.bar = tqdm(initial=first, total=last, desc="GRPO", unit="iter")
+
+    def _tensorboard(self, iteration: int):
+        """A writer continuing from `iteration`: TensorBoard hides what earlier writers
+        logged past it (a resume or restart runs those iterations again)."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.path = out / "metrics.jsonl"
-        self.tensorboard = SummaryWriter(str(out / "tensorboard"))
-        self.bar = tqdm(initial=first, total=last, desc="GRPO", unit="iter")
+        return SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=iteration + 1)
 
     def __enter__(self) -> MetricsSink:
         return self
@@ -142,7 +147,9 @@ class MetricsSink:
         self.bar.clear()  # the progress bar redraws below the message the job prints next
 
     def rewind(self, iteration: int) -> None:
-        """The job went back to `iteration` (a restart): the bar shows it."""
+        """The job went back to `iteration` (a restart): the bar and TensorBoard show it."""
+        self.tensorboard.close()
+        self.tensorboard = self._tensorboard(iteration)
         self.bar.n = iteration
         self.bar.refresh()
 
