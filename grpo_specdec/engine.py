@@ -25,10 +25,10 @@ from vllm_plugin import patches
 from vllm_plugin.k_table import every_k_table
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.patches import group_drafts_v0_32, runner_name
+from vllm_plugin.rank_weights import ROLES, agreed_versions, merged_mixed
 from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.settings import engine_dtype
 from vllm_plugin.shm_transfer import BACKEND as TRANSFER_BACKEND
-from vllm_plugin.weight_swap import ROLES, agreed_versions, merged_mixed
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from vllm_plugin.rank_weights import WeightSwaps
 from vllm_plugin.shm_transfer import ShmWeightTransferEngine
-from vllm_plugin.weight_swap import WeightSwapExtension, WeightSwaps
+from vllm_plugin.weight_swap import WeightSwapExtension
 
 BACKEND = "grpo_shm_faulty"
 

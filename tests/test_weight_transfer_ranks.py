@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import tiny_engine_config
 from vllm_plugin.manifest import MixedWeightsError
-from vllm_plugin.weight_swap import agreed_versions, merged_mixed
+from vllm_plugin.rank_weights import agreed_versions, merged_mixed
 
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=24)
 

@@ -13,7 +13,7 @@ processes, and on every tensor-parallel rank at once. Start the engine with
     update_weights({"path": "/dev/shm/grpo-specdec-UID/....safetensors", "version": 7})
     finish_weight_update()
 
-What a bare transfer would not do, this engine does (`weight_swap.WeightSwaps`): the file's
+What a bare transfer would not do, this engine does (`rank_weights.WeightSwaps`): the file's
 names, shapes and config facts are checked against the model's checkpoint before anything
 loads; a load that fails partway reloads the last good weights; each role (policy, draft)
 keeps its own version. `update_weights` loads but does not commit: until
@@ -34,8 +34,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_plugin.group_drafter import stamp_policy_version
+from vllm_plugin.rank_weights import WeightSwaps
 from vllm_plugin.swap_folder import process_alive, writer_pid
-from vllm_plugin.weight_swap import WeightSwaps
 
 # An update session that was opened and sent no weights for this long is taken for one
 # whose trainer died before its first file (a live trainer writes its file before it
@@ -128,7 +128,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         return f"a {self._role} update session was opened {idle:.0f} s ago and sent nothing"
 
     def abort(self) -> None:
-        """Back to the weights this rank had before the update began (see weight_swap)."""
+        """Back to the weights this rank had before the update began (see rank_weights)."""
         if self._role is not None:
             self.swaps.roll_back(self._role, self.model, self.model_config)
         self._role = None

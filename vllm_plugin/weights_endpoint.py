@@ -36,8 +36,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from vllm_plugin.manifest import MixedWeightsError
+from vllm_plugin.rank_weights import agreed_versions, merged_mixed
 from vllm_plugin.shm_transfer import BACKEND
-from vllm_plugin.weight_swap import agreed_versions, merged_mixed
 
 ROUTE = "/v1/grpo/weights"
 router = APIRouter()
