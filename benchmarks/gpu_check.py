@@ -28,9 +28,10 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
 from benchmarks.gpu_latency_profile import SHAPES, model_config
+from grpo_specdec.draft.learner import DraftLearner
 from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.job.config import PolicySettings
-from grpo_specdec.job.roles import DraftLearner, PolicyBatch, PolicyLearner
+from grpo_specdec.job.learners import PolicyBatch, PolicyLearner
 
 STUDY = "gpu_check"
 ASSET = Path(__file__).resolve().parents[1] / "docs" / "assets" / "gpu_check.json"

@@ -23,8 +23,8 @@ import torch
 
 from benchmarks.common import protocol_args, quiet_machine, smollm2, write_study
 from grpo_specdec.job.config import PolicySettings
+from grpo_specdec.job.learners import PolicyBatch, PolicyLearner
 from grpo_specdec.job.precision import cpu_has_bf16
-from grpo_specdec.job.roles import PolicyBatch, PolicyLearner
 
 SETTINGS = ("off", "bfloat16")
 

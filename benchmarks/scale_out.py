@@ -108,7 +108,7 @@ def run_layout(engines: int, ranks: int, sharding: str, iterations: int, swaps: 
 
 def _synthetic_batch(rollout, n: int, vocab: int):
     """n sequences of the config's lengths, every one informative."""
-    from grpo_specdec.job.roles import PolicyBatch
+    from grpo_specdec.job.learners import PolicyBatch
 
     g = torch.Generator().manual_seed(0)
     length = PROMPT_TOKENS + rollout.max_tokens
@@ -123,8 +123,8 @@ def _synthetic_batch(rollout, n: int, vocab: int):
 def _learner_rank(
     rank: int, address: str, world: int, sharding: str, steps: int, sequences: int, out: str
 ):
+    from grpo_specdec.job.learners import PolicyLearner
     from grpo_specdec.job.models import resolve_model
-    from grpo_specdec.job.roles import PolicyLearner
 
     torch.set_num_threads(max(1, os.cpu_count() // world))  # the ranks share the cores
     cfg = load_yaml(

@@ -164,7 +164,7 @@ def test_the_jobs_rewards_carry_the_overlong_penalty_and_grade_latex():
 
 
 def test_token_entropy_is_that_of_the_distribution_each_next_token_is_sampled_from():
-    from grpo_specdec.job.roles import token_entropy
+    from grpo_specdec.job.learners import token_entropy
 
     vocab = 50
     logits = torch.zeros(2, 4, vocab)
@@ -179,7 +179,7 @@ def test_token_entropy_is_that_of_the_distribution_each_next_token_is_sampled_fr
 def test_response_logprobs_are_those_of_the_sampling_temperature():
     """The surrogate's log-probabilities are of the distribution the engine sampled from:
     logits / T, as verl and TRL compute them."""
-    from grpo_specdec.job.roles import response_logprobs
+    from grpo_specdec.job.learners import response_logprobs
 
     logits = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(0))
     ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))

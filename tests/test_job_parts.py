@@ -503,7 +503,7 @@ def test_a_frozen_run_s_checkpoint_starts_an_online_learner_from_its_head(
     from safetensors.torch import load_file
 
     from grpo_specdec.draft.trainer import DraftTrainConfig
-    from grpo_specdec.job.roles import DraftLearner
+    from grpo_specdec.job.learners import JobDraftLearner
 
     def frozen_roles(folder):
         _roles_writing("1")(folder)
@@ -511,8 +511,8 @@ def test_a_frozen_run_s_checkpoint_starts_an_online_learner_from_its_head(
 
     ckpts = Checkpointer(tmp_path / "checkpoints", log=lambda _: None)
     ckpt = ckpts.write(1, 4, {}, frozen_roles)
-    learner = DraftLearner(
-        tiny_target, str(ckpt / "draft"), DraftTrainConfig(), checkpoints=str(ckpts.root)
+    learner = JobDraftLearner(
+        tiny_target, str(ckpt / "draft"), DraftTrainConfig(), "cpu", 0, str(ckpts.root), "eagle"
     )
     assert learner.resumed_from is None and learner.version == 0
     served = load_file(str(ckpt / "draft" / "model.safetensors"))

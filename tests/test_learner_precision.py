@@ -20,7 +20,7 @@ from grpo_specdec.draft.capture import pad_batch
 from grpo_specdec.grpo.core import grpo_loss
 from grpo_specdec.job import precision
 from grpo_specdec.job.config import PolicySettings
-from grpo_specdec.job.roles import PolicyLearner, _response_mask, response_logprobs
+from grpo_specdec.job.learners import PolicyLearner, _response_mask, response_logprobs
 
 LOSS_OF_TERMS = 0.01  # of mean |ratio * advantage| over response tokens
 GRAD_COSINE = 0.995

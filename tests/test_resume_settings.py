@@ -1,5 +1,5 @@
 """A resumed optimiser keeps its saved moments and steps but runs at the settings it is built
-with now (`grpo_specdec/optimizer_state.py`): torch's `load_state_dict` would bring back the
+with now (`grpo_specdec/learner_state.py`): torch's `load_state_dict` would bring back the
 checkpoint's learning rate and weight decay, so `--resume ... policy.lr=1e-7` kept the old
 rate and said nothing."""
 

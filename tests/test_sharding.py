@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from grpo_specdec.engine import SpecCounters
 from grpo_specdec.job.config import PolicySettings
-from grpo_specdec.job.roles import PolicyBatch, PolicyLearner
+from grpo_specdec.job.learners import PolicyBatch, PolicyLearner
 from grpo_specdec.job.sharding import shard
 
 # kl_coef > 0: the frozen reference model is put on the ranks too.

@@ -6,7 +6,7 @@ learning on them and pushes it into your vLLM engine through vLLM's weight-updat
     stats = draft.learn_from(policy_model, token_ids, prompt_lens)
     draft.push(LLMClient(llm))     # or HTTPClient(url), RPCClient(...) (weight_transfer.py)
 
-The job's own draft learner (`job/roles.py` `DraftLearner`) does the training, with its
+The draft learner (`learner.py` `DraftLearner`, the job's own) does the training, with its
 guards (non-finite steps skipped, a diverged head rolled back, versions that only grow);
 this adds the capture (`capture.py`, the same forward hooks the job's policy learner uses)
 and the push (`weight_transfer.ShmTrainerEngine` with `draft=True`)."""
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from grpo_specdec.draft.capture import Sequence, capture_hidden
+from grpo_specdec.draft.learner import DraftData, DraftLearner
 from grpo_specdec.draft.trainer import DraftTrainConfig
-from grpo_specdec.job.roles import DraftData, DraftLearner
 
 
 class OnlineDraft:

@@ -12,7 +12,7 @@ from grpo_specdec.config import StrictModel
 from grpo_specdec.draft.capture import Sequence
 from grpo_specdec.draft.head import DraftHead
 from grpo_specdec.draft.loss import eagle_loss, make_batch
-from grpo_specdec.optimizer_state import configured_settings_kept
+from grpo_specdec.learner_state import configured_settings_kept
 
 
 class DraftTrainConfig(StrictModel):

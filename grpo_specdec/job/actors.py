@@ -18,11 +18,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from grpo_specdec.job.config import RaySettings
-from grpo_specdec.job.roles import DraftLearner, PolicyLearner
+from grpo_specdec.job.learners import JobDraftLearner, PolicyLearner
 from grpo_specdec.job.rollout_worker import RolloutWorker
 from grpo_specdec.runtime import runtime_env, worker_cpus_env
 
-ROLES = {"rollout": RolloutWorker, "policy": PolicyLearner, "draft": DraftLearner}
+ROLES = {"rollout": RolloutWorker, "policy": PolicyLearner, "draft": JobDraftLearner}
 # Ray refuses bundles of zero resources: a hundredth of a CPU makes an actor that
 # reserves nothing placeable without taking cores from the others.
 _PLACEABLE_CPUS = 0.01

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import re
 import shutil
 import zipfile
 from pathlib import Path
 
-import torch
-
 from grpo_specdec.atomic_file import sync_dir, write_atomic
+from grpo_specdec.learner_state import load_learner_state
 from grpo_specdec.modelcheck import check_model_dir
 
 LATEST = "latest"  # file naming the newest complete checkpoint, replaced atomically
@@ -301,19 +299,6 @@ def read_state(path: Path) -> dict:
     if missing:
         raise ValueError(f"checkpoint {path}: state.json lacks {sorted(missing)}")
     return state
-
-
-def load_learner_state(path: Path, mmap: bool = False) -> dict:
-    """A learner's state file, unpickled as data only (tensors, numbers, strings and their
-    containers): unpickling anything else can run code, and a checkpoint may come from
-    elsewhere."""
-    try:
-        return torch.load(path, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as err:
-        raise ValueError(
-            f"{path} holds more than tensors and plain data; refusing to load it "
-            "(unpickling other objects can run code)"
-        ) from err
 
 
 # What the roles write into a checkpoint folder, whatever else they add.

@@ -18,7 +18,7 @@ from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.checkpoints import replace_dir
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.job.engine_setup import engine_config, engine_seed, latency_profile
-from grpo_specdec.job.roles import PolicyBatch
+from grpo_specdec.job.learners import PolicyBatch
 from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.job.sharding import shard
 from grpo_specdec.job.weight_sync import WeightSync

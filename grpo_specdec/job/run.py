@@ -29,11 +29,11 @@ from grpo_specdec.job.checkpoints import Checkpointer, read_state
 from grpo_specdec.job.compare import compare_rollout
 from grpo_specdec.job.config import RewardSettings, TrainConfig
 from grpo_specdec.job.engine_setup import check_context_length
+from grpo_specdec.job.learners import PolicyBatch
 from grpo_specdec.job.lifecycle import Roles
 from grpo_specdec.job.logs import VllmLog, check_private
 from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_records
 from grpo_specdec.job.models import resolve_model
-from grpo_specdec.job.roles import PolicyBatch
 from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.modelcheck import check_draft_matches_target
 from grpo_specdec.tasks.rewards import GRADERS, has_answer_format, overlong_penalty

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from grpo_specdec.optimizer_state import configured_settings_kept
+from grpo_specdec.learner_state import configured_settings_kept
 
 Sharding = Literal["none", "fsdp"]
 # Whole state dicts, gathered to rank 0's CPU (the other ranks get empty ones); loaded

@@ -216,9 +216,10 @@ class _PickledCall:
 
 @pytest.fixture(scope="module")
 def learners(tiny_target, tiny_draft):
+    from grpo_specdec.draft.learner import DraftLearner
     from grpo_specdec.draft.trainer import DraftTrainConfig
     from grpo_specdec.job.config import PolicySettings
-    from grpo_specdec.job.roles import DraftLearner, PolicyLearner
+    from grpo_specdec.job.learners import PolicyLearner
 
     return {
         "policy": PolicyLearner(tiny_target, PolicySettings()),

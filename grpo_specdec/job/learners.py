@@ -2,17 +2,13 @@
 third role, the engine, is `rollout_worker.py`).
 
 PolicyLearner owns the HF policy and its optimiser; its forward over a rollout yields
-both the log-probs GRPO needs and the hidden states the draft learns from. DraftLearner
-owns the EAGLE head and its trainer.
+both the log-probs GRPO needs and the hidden states the draft learns from. The draft
+learner is draft/learner.py's; JobDraftLearner adds the job's resume.
 """
 
 from __future__ import annotations
 
-import copy
-import os
-import random
 import resource
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,15 +16,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
-from grpo_specdec.draft.head import DraftHead, eagle3_aux_layers, load_head, new_head
-from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
+from grpo_specdec.draft.learner import DraftData, DraftLearner
+from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import grpo_loss, loss_stat_names
 from grpo_specdec.job import sharding
-from grpo_specdec.job.checkpoints import latest_checkpoint, load_learner_state
+from grpo_specdec.job.checkpoints import latest_checkpoint
 from grpo_specdec.job.config import PolicySettings
 from grpo_specdec.job.precision import autocast_dtype
-
-# ---- policy ---------------------------------------------------------------------------
+from grpo_specdec.learner_state import load_learner_state
 
 
 @dataclass
@@ -59,25 +54,6 @@ class PolicyBatch:
                 batch.advantages.append(float(advantages[g, s]))
                 batch.informative.append(bool(informative[g]))
         return batch
-
-
-@dataclass
-class DraftData:
-    seqs: list[Sequence]
-    # The policy's input embedding and lm_head these hidden states came from (rank 0 only).
-    embed: torch.Tensor | None
-    lm_head: torch.Tensor | None
-    policy_version: int
-
-    @staticmethod
-    def gather(parts: tuple[DraftData, ...]) -> DraftData:
-        """The policy ranks' shards, in rank order, as one."""
-        return DraftData(
-            [s for part in parts for s in part.seqs],
-            parts[0].embed,
-            parts[0].lm_head,
-            parts[0].policy_version,
-        )
 
 
 def response_logprobs(
@@ -381,95 +357,19 @@ def _stack_padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-# ---- draft ----------------------------------------------------------------------------
-
-
-class DraftLearner:
-    """Trains the head on each rollout's hidden states. With `checkpoints`, a restarted
-    learner (e.g. a Ray actor brought back after its process died) resumes from the
-    newest complete checkpoint there."""
+class JobDraftLearner(DraftLearner):
+    """The job's draft learner: built again by Ray after its process died, it resumes from
+    the newest complete checkpoint in `checkpoints`."""
 
     def __init__(
         self,
         policy_dir: str,
         init: str | None,
         cfg: DraftTrainConfig,
-        device: str = "cpu",
-        seed: int = 0,
-        checkpoints: str | None = None,
-        new_head_kind: str = "eagle",
+        device: str,
+        seed: int,
+        checkpoints: str,
+        new_head_kind: str,
     ):
-        target = AutoModelForCausalLM.from_pretrained(policy_dir)
-        if init:
-            self.head: DraftHead = load_head(init, policy_dir, target)
-        else:
-            layers = target.config.num_hidden_layers
-            aux = eagle3_aux_layers(layers) if new_head_kind == "eagle3" else None
-            self.head = new_head(policy_dir, target, seed, aux_layers=aux)
-        del target
-        self.head.to(device)
-        self.device = device
-        self.trainer = DraftTrainer(self.head, cfg)
-        self.rng = random.Random(seed)
-        self.version = 0
-        self.trained_on_policy = 0
-        self.resumed_from: str | None = None
-        latest = latest_checkpoint(Path(checkpoints)) if checkpoints else None
-        # A checkpoint of a run whose draft was frozen holds the head it served (`init`
-        # here) but no learner state: learning starts from that head.
-        if latest is not None and (latest / "draft_state.pt").is_file():
-            self.load(latest)
-            self.resumed_from = str(latest)
-        self._last_good = copy.deepcopy(self.trainer.state_dict())
-
-    def train(self, *shards: DraftData, after_version: int = 0) -> dict:
-        """Train on one rollout: the hidden states of every policy rank's shard.
-        `after_version`: the newest draft version the job has issued. A learner that Ray
-        restarted from an older checkpoint numbers its next weights above it, so that no
-        version names two different heads."""
-        start = time.perf_counter()
-        data = DraftData.gather(shards)
-        # The draft must predict with the embedding and lm_head the engine will pair it with.
-        self.head.embed_weight = data.embed.to(self.device)
-        self.head.lm_head_weight = data.lm_head.to(self.device)
-        stats = self.trainer.train(data.seqs, self.rng)
-        stats["sequences"] = len(data.seqs)
-        stats["rolled_back"] = not all(torch.isfinite(p).all() for p in self.head.parameters())
-        if stats["rolled_back"]:
-            # Diverged despite the per-step guard: return to the last good state.
-            skipped = self.trainer.skipped_steps
-            self.trainer.load_state_dict(copy.deepcopy(self._last_good))
-            self.trainer.skipped_steps = skipped
-            stats["steps"] = 0
-        if stats["steps"]:
-            self.version = max(self.version, after_version) + 1
-            self.trained_on_policy = data.policy_version
-            self._last_good = copy.deepcopy(self.trainer.state_dict())
-        stats["seconds"] = time.perf_counter() - start
-        return {f"draft_{k}": v for k, v in stats.items()} | {"draft_version": self.version}
-
-    def export(self) -> tuple[dict[str, torch.Tensor], dict[str, str], int, int]:
-        """(weights, metadata, draft version, policy version it was trained on)."""
-        weights = self.head.export_state_dict(self.head.export_dtype())
-        return weights, self.head.swap_metadata(), self.version, self.trained_on_policy
-
-    def save(self, path: Path) -> None:
-        self.head.save(path / "draft")
-        torch.save(
-            {
-                "trainer": self.trainer.state_dict(),
-                "version": self.version,
-                "rng": self.rng.getstate(),
-                "trained_on_policy": self.trained_on_policy,
-            },
-            path / "draft_state.pt",
-        )
-
-    def load(self, path: Path) -> None:
-        state = load_learner_state(path / "draft_state.pt")
-        self.trainer.load_state_dict(state["trainer"])
-        self.version, self.trained_on_policy = state["version"], state["trained_on_policy"]
-        self.rng.setstate(state["rng"])
-
-    def status(self) -> dict:
-        return {"pid": os.getpid(), "version": self.version, "resumed_from": self.resumed_from}
+        latest = latest_checkpoint(Path(checkpoints))
+        super().__init__(policy_dir, init, cfg, device, seed, new_head_kind, resume_from=latest)
