@@ -165,15 +165,20 @@ def run_protocol(
     beside it."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    timed = Timed(orders=shuffled_orders(list(configs), repeats, seed))
+    # Results keep the configurations' order (reports list them so), not the first shuffle's.
+    timed = Timed(
+        runs={name: [] for name in configs},
+        busy={name: [] for name in configs},
+        orders=shuffled_orders(list(configs), repeats, seed),
+    )
     for name, run in configs.items():
         warm(name) if warm is not None else run()
     for rep, order in enumerate(timed.orders):
         for name in order:
             before = snapshot()
             result = configs[name]()
-            timed.runs.setdefault(name, []).append(result)
-            timed.busy.setdefault(name, []).append(others_share(before, snapshot()))
+            timed.runs[name].append(result)
+            timed.busy[name].append(others_share(before, snapshot()))
         if progress is not None:
             progress(f"repeat {rep + 1}/{repeats} done (order: {', '.join(order)})")
     return timed

@@ -87,6 +87,9 @@ def test_run_protocol_warms_every_configuration_before_timing_then_follows_the_o
     assert [n for _, n in calls[3:]] == [n for order in timed.orders for n in order]
     assert all(what == "run" for what, _ in calls[3:])
     assert {n: len(v) for n, v in timed.runs.items()} == {"a": 4, "b": 4, "c": 4}
+    assert timed.orders[0] != list("abc")  # seed 1 shuffles the first round
+    # results in the configurations' order, as the tables list them
+    assert list(timed.runs) == list(timed.busy) == list("abc")
     # each result kept in repeat order, with the others' share measured beside it
     for n, results in timed.runs.items():
         assert results == sorted(results)
