@@ -7,11 +7,10 @@ vLLM 0.32's trainer API: a `TrainerWeightTransferEngine` registered as `grpo_shm
     engine.send_weights(version=7)
 
 `send_weights` writes the source's tensors to the private swap folder and drives one
-update: `start_draft_weight_update` (or `start_weight_update`), `update_weights({"path",
-"version"})`, `finish_weight_update`; then the prefix cache is reset with the running
-requests recomputed, so that none computes with KV of the old weights (vLLM's update does
-not do it). If `update_weights` fails on any rank, it asks every rank to take back what it
-loaded (`abort_weight_update`) before raising. Clients: `LLMClient` (an `LLM` in this
+update through vLLM's lifecycle (vllm_plugin/weight_update.py: a failed load is undone on
+every rank, a session a dead trainer left open is ended first); then the prefix cache is
+reset with the running requests recomputed, so that none computes with KV of the old
+weights (vLLM's update does not do it). Clients: `LLMClient` (an `LLM` in this
 process), `HTTPClient` (a `vllm serve` with vLLM's RL routes, `VLLM_SERVER_DEV_MODE=1`) and
 `RPCClient` (any engine reached only through `collective_rpc`, as verl reaches its server's);
 vLLM's own clients cannot start a draft update, which these add.
@@ -35,6 +34,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from grpo_specdec.swap_files import swap_file
 from vllm_plugin.shm_transfer import BACKEND
+from vllm_plugin.weight_update import merged_session_ends, run_update
 
 
 @dataclass
@@ -78,44 +78,9 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
         role = "draft" if self.draft else "policy"
         with swap_file(role, weights, version, self.metadata) as path:
             written = time.perf_counter() - start
-            self._start()
-            try:
-                self.client.update_weights({"path": str(path), "version": version})
-            except BaseException:
-                self.client.abort_weight_update()
-                raise
-            # vLLM's engine-level weight version is the policy's; the draft's is per role.
-            self.client.finish_weight_update(None if self.draft else str(version))
+            run_update(self.client, role, {"path": str(path), "version": version}, version)
         self.client.reset_prefix_cache()
         return written
-
-    def _start(self) -> None:
-        """Open the update session; one left open by a trainer that died is ended first
-        (its load undone), one a live trainer holds is an error naming it."""
-        start = (
-            self.client.start_draft_weight_update if self.draft else self.client.start_weight_update
-        )
-        try:
-            start()
-        except Exception as err:
-            # vLLM refuses a start while a session is open ("already active"; over HTTP
-            # only a status 500 says so): ask the engine whether its session is stale.
-            ended = self.client.end_stale_weight_update()
-            if not ended["ended"]:
-                raise RuntimeError(
-                    f"could not open a weight update session ({err}); the engine says: "
-                    f"{ended['reason']}"
-                ) from err
-            start()
-
-
-def merged_session_ends(per_rank: list[dict]) -> dict:
-    """One answer for all ranks to `grpo_end_stale_weight_update`: ended where every rank
-    ended its session."""
-    return {
-        "ended": all(r["ended"] for r in per_rank),
-        "reason": "; ".join(sorted({r["reason"] for r in per_rank})),
-    }
 
 
 class LLMClient:

@@ -10,11 +10,11 @@ other dev routes) are outside that check: this route is the same update behind t
 The body names a safetensors file that a trainer on the server's machine, run by the
 server's user, wrote to the private swap folder (`grpo_specdec.served.ServedWeights`):
 {"role": "policy" | "draft", "path", "version"}. The route drives vLLM's weight-update
-lifecycle on the engine (`start_weight_update` or `start_draft_weight_update`,
-`update_weights`, `finish_weight_update`) with the `grpo_shm` transfer backend (start the
-server with `--weight-transfer-config '{"backend": "grpo_shm"}'`), which validates and
-loads nothing from outside that folder: a rejected swap (400) leaves every rank serving
-its old weights (`grpo_abort_weight_update` takes back a rank that had loaded them).
+lifecycle on the engine, the one a trainer's client drives (vllm_plugin/weight_update.py),
+with the `grpo_shm` transfer backend (start the server with `--weight-transfer-config
+'{"backend": "grpo_shm"}'`), which validates and loads nothing from outside that folder: a
+rejected swap (400) leaves every rank serving its old weights (`grpo_abort_weight_update`
+takes back a rank that had loaded them).
 
 Generation is paused (vLLM's `pause_generation`, requests in flight kept) while the
 weights change; then the prefix cache is reset with the running requests preempted, so
@@ -38,6 +38,7 @@ from pydantic import BaseModel, Field
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.rank_weights import agreed_versions, merged_mixed
 from vllm_plugin.shm_transfer import BACKEND
+from vllm_plugin.weight_update import AsyncEngineClient, run_update
 
 ROUTE = "/v1/grpo/weights"
 router = APIRouter()
@@ -65,20 +66,9 @@ async def _mixed_roles(engine) -> dict[str, str]:
 
 
 async def _update(engine, body: SwapRequest) -> dict:
-    """One update through vLLM's lifecycle; a failure on any rank undoes it on all."""
-    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-    if body.role == "draft":
-        await engine.start_draft_weight_update()
-    else:
-        await engine.start_weight_update()
     info = {"path": body.path, "version": body.version}
-    try:
-        await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-    except BaseException:
-        await engine.collective_rpc("grpo_abort_weight_update")
-        raise
-    await engine.finish_weight_update()
+    client = AsyncEngineClient(engine, asyncio.get_running_loop())
+    await asyncio.to_thread(run_update, client, body.role, info, body.version)
     report = (await engine.collective_rpc("grpo_last_swap_report"))[0]
     return {"version": body.version, **report}
 
