@@ -11,7 +11,7 @@ from datetime import date
 from pathlib import Path
 
 from grpo_specdec.assets.smollm2 import DEFAULT_DRAFT_VOCAB, default_dir, head_dir
-from grpo_specdec.measure import (
+from grpo_specdec.bench.measure import (
     ALLOW_BUSY_FLAG,
     DEFAULT_REPEATS,
     MachineBusy,
@@ -31,7 +31,7 @@ STALE_NOTES = (
 
 
 def protocol_args(ap, repeats: bool = True) -> None:
-    """The measurement protocol's flags (grpo_specdec/measure.py), the same in every
+    """The measurement protocol's flags (grpo_specdec/bench/measure.py), the same in every
     benchmark: --repeats (timed rounds, each in a new shuffled order), --order-seed, and
     --allow-busy (measure although other processes use the machine; the study says so)."""
     if repeats:

@@ -3,7 +3,7 @@ a long phase of steps that draft nothing, then a tail that drafts.
 
     python benchmarks/free_k0_bound.py   # rewrites docs/benchmarks/free_k0_bound.md
 
-`vllm_plugin/patches/free_k0_v0_32.py` keeps the draft inputs of steps that skip the draft
+`vllm_plugin/patches/features/free_k0_v0_32.py` keeps the draft inputs of steps that skip the draft
 pass and catches the draft's KV cache up on the next pass that runs; beyond its byte bound it
 drops the oldest kept steps, and those positions keep stale draft KV. On a GPU its default
 (256 MiB) holds about 128 steps of B = 256 on a 4096-wide bf16 model, so a rollout's k = 0
@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 
 from benchmarks.common import STUDIES, protocol_args, quiet_machine, smollm2, write_study
 from grpo_specdec.assets.smollm2 import head_dir
+from grpo_specdec.bench.tail_shape import tail_shape
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
-from grpo_specdec.tasks.tail_shape import tail_shape
-from vllm_plugin.patches import free_k0_v0_32 as free_k0
+from vllm_plugin.patches.features import free_k0_v0_32 as free_k0
 
 STEPS_KEPT = (150, 20)  # the range the GPU default holds at B = 256 (8k- to 4k-wide models)
 UNBOUNDED = 1 << 62

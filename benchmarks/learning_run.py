@@ -10,7 +10,7 @@ learn, and speculation measured side by side as the policy sharpens.
    lag behind the policy; the held-out greedy accuracy from eval.jsonl.
 2. At the start (SmolLM2 as shipped, the package's head), the middle and the end, that
    point's policy rolls out the tail shape side by side under the measurement protocol
-   (`grpo_specdec/measure.py`: warmed, order shuffled per round, --repeats rounds): no
+   (`grpo_specdec/bench/measure.py`: warmed, order shuffled per round, --repeats rounds): no
    speculation, ours with the online head of that point, ours with the initial (frozen)
    head, and fixed k. Every configuration makes exactly the tokens each request made in a
    seeded rollout without speculation (EOS then ignored), so makespans compare equal work;
@@ -91,14 +91,14 @@ def side_by_side(
     """The tail shape rolled out by `policy` at `temperature`: no speculation, ours with each
     head, fixed k."""
     from benchmarks.rollout_throughput import Config, replay_lengths, run_config
+    from grpo_specdec.bench.measure import run_protocol
+    from grpo_specdec.bench.tail_shape import with_budgets
     from grpo_specdec.config import load_yaml
     from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
     from grpo_specdec.job.config import TrainConfig
     from grpo_specdec.job.engine_setup import engine_config, latency_profile
     from grpo_specdec.job.models import resolve_model
-    from grpo_specdec.measure import run_protocol
     from grpo_specdec.tasks.arithmetic import make_problems
-    from grpo_specdec.tasks.tail_shape import with_budgets
     from vllm_plugin.controller import FixedPolicy, GoodputPolicy, profile_latency
 
     cfg = load_yaml(TrainConfig, CONFIG, [])
@@ -214,8 +214,8 @@ def reward_agreement(cfg, plain, ours, temperature: float) -> dict:
 def summary(timed) -> dict:
     """Per configuration: makespans, tokens, acceptance and speedup over no speculation,
     paired by round."""
-    from grpo_specdec.measure import speedup
-    from grpo_specdec.tasks.tail_shape import tail_phase_s
+    from grpo_specdec.bench.measure import speedup
+    from grpo_specdec.bench.tail_shape import tail_phase_s
 
     makespans = {n: [max(r["finished_s"]) for r in runs] for n, runs in timed.runs.items()}
     base = makespans["no speculation"]

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import ASSETS
-from grpo_specdec.measure import speedup
+from grpo_specdec.bench.measure import speedup
+from grpo_specdec.bench.tail_shape import in_flight, tail_phase_s
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES
-from grpo_specdec.tasks.tail_shape import in_flight, tail_phase_s
 from vllm_plugin.controller import conditional_from_cumulative
 
 TAIL_FRACTION = 0.1  # the tail phase: after all but this share of the requests finished
@@ -145,7 +145,7 @@ def report(r: dict) -> str:
             else "default head (reduced vocabulary)"
         )
         + ", profiled C_peak = "
-        f"{r['c_peak']:.0f} tokens. Under the measurement protocol (`grpo_specdec/measure.py`): "
+        f"{r['c_peak']:.0f} tokens. Under the measurement protocol (`grpo_specdec/bench/measure.py`): "
         "per workload every configuration warmed on it, then the median of "
         f"{a['repeats']} rounds, each in a seeded shuffled order (orders in the JSON); every "
         "configuration in one run, each from its own estimator and an empty prefix cache. "

@@ -55,11 +55,11 @@ from benchmarks.rollout_report import (
     summarise,
     with_speedups,
 )
+from grpo_specdec.bench.measure import run_protocol
+from grpo_specdec.bench.tail_shape import tail_shape, tokens_after_eos
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
-from grpo_specdec.measure import run_protocol
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES, recommend_table
 from grpo_specdec.tasks.arithmetic import make_problems
-from grpo_specdec.tasks.tail_shape import tail_shape, tokens_after_eos
 from vllm_plugin.compat import dense_k_table
 from vllm_plugin.controller import (
     AcceptanceEstimator,
@@ -70,7 +70,7 @@ from vllm_plugin.controller import (
     conditional_from_cumulative,
     profile_latency,
 )
-from vllm_plugin.patches import free_k0_v0_32
+from vllm_plugin.patches.features import free_k0_v0_32
 from vllm_plugin.settings import hardware_name
 
 # GRPO shapes: which policy answers, prompts x group, token cap.
@@ -468,7 +468,7 @@ def main() -> None:
             and args.group
             and any(c.with_history for c in configs.values())
         }
-        # The protocol (grpo_specdec/measure.py), per workload: every configuration warmed
+        # The protocol (grpo_specdec/bench/measure.py), per workload: every configuration warmed
         # on it, then --repeats rounds in a seeded shuffled order.
         for w, (section, key, _, prompts, sampling, per_request) in enumerate(own_workloads):
             past = history.get((section, key))

@@ -51,8 +51,8 @@ from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.tasks.arithmetic import make_problems
 from grpo_specdec.vllm_compat import sample_draft_as_vllm
 from vllm_plugin.controller import FixedPolicy
-from vllm_plugin.patches import cpu_rejection_sample_v0_32 as rejection
-from vllm_plugin.patches.cpu_sampled_drafts_v0_32 import sample_draft
+from vllm_plugin.patches.features.cpu_sampled_drafts_v0_32 import sample_draft
+from vllm_plugin.patches.fixes import cpu_rejection_sample_v0_32 as rejection
 from vllm_plugin.settings import hardware_name
 
 K_MAX = 5

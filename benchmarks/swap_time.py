@@ -11,7 +11,7 @@ prefix cache; the two paths differ in how the load is asked for:
 - "one call": a single `collective_rpc` that loads and commits on the worker, as the
   plugin's own `grpo_swap_weights` did before its updates went through vLLM's API.
 The head and the whole policy, each through both paths, warmed, then --repeats rounds in
-shuffled order (grpo_specdec/measure.py); the ratio is paired by round.
+shuffled order (grpo_specdec/bench/measure.py); the ratio is paired by round.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from benchmarks.common import (
     smollm2_head,
     write_study,
 )
-from grpo_specdec.measure import run_protocol, speedup
+from grpo_specdec.bench.measure import run_protocol, speedup
 from grpo_specdec.swap_files import swap_file
 from vllm_plugin.settings import hardware_name
 

@@ -3,7 +3,7 @@ large share of the rollout's wall time.
 
     python benchmarks/tail_shape.py      # measures it (twice) and rewrites docs/benchmarks/tail_shape.md
 
-The shape and the tail figures are `grpo_specdec.tasks.tail_shape`'s (the job's
+The shape and the tail figures are `grpo_specdec.bench.tail_shape`'s (the job's
 end-of-run comparison uses them too). This study rolls it out with no speculation and
 counts how each answer ended: EOS, its own budget, or the global cap. Per-request finish
 times are vLLM's own (`RequestOutput.metrics`), each sample one request so each has its own.
@@ -21,14 +21,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
 from benchmarks.common import ASSETS, protocol_args, quiet_machine, smollm2, write_study
-from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
-from grpo_specdec.tasks.tail_shape import (
+from grpo_specdec.bench.tail_shape import (
     TailShape,
     in_flight,
     share_of_time_at_most,
     tail_shape,
     tail_share,
 )
+from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 
 # Seer (arXiv 2511.14617), veRL rollouts on H800 nodes: share of rollout time taken by the
 # last 10% of requests to finish (Fig. 8), and mean answer length over the cap (Table 3).

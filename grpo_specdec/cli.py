@@ -137,8 +137,8 @@ def _profile(args) -> None:
 
 
 def _train(args) -> None:
+    from grpo_specdec.bench.compare import comparison_table, what_is_compared
     from grpo_specdec.config import load_yaml
-    from grpo_specdec.job.compare import comparison_table, what_is_compared
     from grpo_specdec.job.config import TrainConfig
     from grpo_specdec.job.metrics import held_out_line, summary_table
     from grpo_specdec.job.run import Job

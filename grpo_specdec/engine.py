@@ -24,9 +24,9 @@ from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, s
 from vllm_plugin import patches
 from vllm_plugin.k_table import every_k_table
 from vllm_plugin.manifest import MixedWeightsError
-from vllm_plugin.patches import group_drafts_v0_32, runner_name
+from vllm_plugin.patches import runner_name
+from vllm_plugin.patches.features import group_drafts_v0_32
 from vllm_plugin.rank_weights import ROLES, agreed_versions, merged_mixed
-from vllm_plugin.settings import ENV as CONTROLLER_ENV
 from vllm_plugin.settings import engine_dtype
 from vllm_plugin.shm_transfer import BACKEND as TRANSFER_BACKEND
 
@@ -200,8 +200,8 @@ class Engine:
             kwargs["speculative_config"]["draft_sample_method"] = spec.draft_sampling
             table = spec.batch_size_table
             # The controller and the group drafter live in the engine core's process
-            # (this one or a child); their settings travel in the environment.
-            os.environ[CONTROLLER_ENV] = spec.controller.to_env()
+            # (this one or a child); their settings travel in the engine's config.
+            kwargs["additional_config"] = spec.controller.as_additional_config()
             if spec.controller.group.enabled:
                 if not vllm_plugin.applied(group_drafts_v0_32):
                     raise ValueError(
@@ -220,6 +220,11 @@ class Engine:
                 table = every_k_table(spec.k, cfg.max_num_seqs)
             if table:
                 kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = table
+        extra_llm_kwargs = dict(extra_llm_kwargs)
+        kwargs["additional_config"] = {
+            **kwargs.get("additional_config", {}),
+            **extra_llm_kwargs.pop("additional_config", {}),
+        }
         kwargs.update(extra_llm_kwargs)
         self.llm = LLM(**kwargs)
         self._senders: dict[str, object] = {}  # role -> its trainer engine, initialised once

@@ -165,7 +165,7 @@ def free_k0_engine(tiny_target, tiny_draft, tmp_path_factory):
     """EAGLE drafts with the free k = 0 patch, under a fixed cycle of k per step when a
     test generates through tests/step_cycle.py."""
     from tests.step_cycle import step_cycle_engine
-    from vllm_plugin.patches import free_k0_v0_32 as free_k0
+    from vllm_plugin.patches.features import free_k0_v0_32 as free_k0
 
     engine = step_cycle_engine(tiny_target, tiny_draft, tmp_path_factory.mktemp("k0"), "greedy")
     yield engine
@@ -466,8 +466,7 @@ def engine_kwargs(monkeypatch, cfg) -> dict:
         raise EngineArgsSeen
 
     monkeypatch.setattr(vllm, "LLM", llm)
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "GRPO_SPECDEC_CONTROLLER"):
-        unset_until_teardown(monkeypatch, name)  # Engine sets them
+    unset_until_teardown(monkeypatch, "VLLM_ENABLE_V1_MULTIPROCESSING")  # Engine sets it
     with pytest.raises(EngineArgsSeen):
         Engine(cfg)
     return seen

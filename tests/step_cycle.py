@@ -1,5 +1,5 @@
 """The free k = 0 patch's engines under a fixed cycle of k per step
-(`vllm_plugin/patches/free_k0_v0_32.py`): runs of k = 0 between drafting steps of several
+(`vllm_plugin/patches/features/free_k0_v0_32.py`): runs of k = 0 between drafting steps of several
 lengths, whatever the batch. The shared engine is conftest's `free_k0_engine`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 from grpo_specdec.engine import Engine
 from tests.conftest import tiny_engine_config
 from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
-from vllm_plugin.patches import free_k0_v0_32 as free_k0
+from vllm_plugin.patches.features import free_k0_v0_32 as free_k0
 
 # k per engine step, repeated: runs of k = 0 between drafting steps of several lengths.
 K_CYCLE = [0, 0, 0, 3, 0, 0, 0, 0, 2, 4, 0]

@@ -19,7 +19,7 @@ from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 from grpo_specdec.vllm_compat import reread_environment
 from tests.conftest import engine_kwargs, tiny_engine_config, unset_until_teardown
 from vllm_plugin.k_table import every_k_table
-from vllm_plugin.patches import v2_graph_candidates_v0_32
+from vllm_plugin.patches.fixes import v2_graph_candidates_v0_32
 from vllm_plugin.scheduler import check_engine
 
 K_MAX = 5
@@ -125,7 +125,7 @@ def test_on_v2_every_k_gets_a_full_decode_graph_wherever_a_plain_engine_has_one(
 def test_as_vllm_ships_it_v2_leaves_a_step_piecewise_where_another_ks_graph_is_next(
     monkeypatch, tiny_target, tiny_draft
 ):
-    """Why patches/v2_graph_candidates_v0_32.py exists: vLLM's own candidate map gives each
+    """Why patches/fixes/v2_graph_candidates_v0_32.py exists: vLLM's own candidate map gives each
     token count only the graphs of the next captured size, which with every k listed often
     belong to another k (the figures its docstring gives)."""
     aware = cuda_config(monkeypatch, aware_config(tiny_target, tiny_draft))

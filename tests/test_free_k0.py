@@ -1,5 +1,5 @@
 """Steps that draft nothing skip the draft pass and the rejection sampler
-(`vllm_plugin/patches/free_k0_v0_32.py`), inside a real vLLM engine on tiny models, and
+(`vllm_plugin/patches/features/free_k0_v0_32.py`), inside a real vLLM engine on tiny models, and
 the catch-up logic on its own."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from grpo_specdec.engine import SamplingSettings
 from tests.conftest import assert_same_distribution, lossless_sampling
 from tests.step_cycle import generate_under_the_step_cycle, step_cycle_engine
-from vllm_plugin.patches import free_k0_v0_32 as free_k0
+from vllm_plugin.patches.features import free_k0_v0_32 as free_k0
 
 
 @pytest.fixture

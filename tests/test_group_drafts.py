@@ -3,7 +3,6 @@ inside real vLLM engines on tiny models (group drafts alone, and next to EAGLE).
 
 from __future__ import annotations
 
-import json
 import random
 import tracemalloc
 from dataclasses import replace
@@ -23,7 +22,7 @@ from tests.conftest import (
 )
 from vllm_plugin.controller import FrozenAcceptance, HingeLatency, LatencyModel, LinearCost
 from vllm_plugin.group_drafter import GROUP, MODEL, GroupDrafter
-from vllm_plugin.settings import ENV as CONTROLLER_ENV
+from vllm_plugin.settings import CONFIG_KEY
 from vllm_plugin.suffix_index import GroupHistory, GroupIndex
 
 # ---- the index ---------------------------------------------------------------------------
@@ -320,7 +319,10 @@ def test_the_cached_q_keeps_the_model_s_rows_and_makes_the_group_s_one_hot(vocab
     """A full-vocabulary q (16 = the target's) holds each group draft one-hot; a reduced
     one (6) cannot, so those rows are zero and their requests named for the sampler."""
     from vllm_plugin.group_drafter import Proposal
-    from vllm_plugin.patches.group_drafts_v0_32 import ONE_HOT_REQS_ATTR, _one_hot_group_rows
+    from vllm_plugin.patches.features.group_drafts_v0_32 import (
+        ONE_HOT_REQS_ATTR,
+        _one_hot_group_rows,
+    )
 
     q = torch.rand(3, 2, vocab)  # cached for requests a, b, c in that order, k = 2
     runner = SimpleNamespace(
@@ -365,12 +367,16 @@ def test_the_scheduler_prices_k_on_the_model_drafts_as_used():
     assert scheduler.verified_by_source == {GROUP: 1, MODEL: 1}
 
 
-def test_group_drafts_refuse_engines_they_cannot_serve(monkeypatch, group_profile):
-    from vllm_plugin.patches.group_drafts_v0_32 import _build
+def test_group_drafts_refuse_engines_they_cannot_serve(group_profile):
+    from vllm_plugin.patches.features.group_drafts_v0_32 import _build
 
-    monkeypatch.setenv(CONTROLLER_ENV, json.dumps(group_controller(group_profile)))
+    settings = {CONFIG_KEY: group_controller(group_profile)}
     spec = SimpleNamespace(draft_sample_method="greedy")
-    runner = SimpleNamespace(speculative_config=spec, use_async_scheduling=True)
+    runner = SimpleNamespace(
+        speculative_config=spec,
+        use_async_scheduling=True,
+        vllm_config=SimpleNamespace(additional_config=settings),
+    )
     with pytest.raises(ValueError, match="async_scheduling=False"):
         _build(runner)
 
@@ -394,15 +400,3 @@ def test_history_from_elsewhere_drafts_and_a_reset_forgets_it(
     assert _tokens(result) == _tokens(plain)
     # Greedy answers equal to the history: nearly every drafted token is accepted.
     assert used[GROUP]["accepted_tokens"] > 0.8 * used[GROUP]["draft_tokens"] > 0
-
-
-def test_replay_accepts_the_common_prefix_of_draft_and_sampled_tokens():
-    from benchmarks.group_drafts import replay_group
-
-    prompt, answer = [1, 2, 3, 4], [5, 6, 7, 8, 9, 10]
-    # An earlier rollout that answered the same: every drafted token is accepted.
-    same = replay_group(prompt, [answer], [answer], "+history", k=2)
-    assert (same.steps, same.tokens, same.accepted) == (2, 6, 4)
-    # Without it nothing in the text predicts the answer: one token per step.
-    alone = replay_group(prompt, [answer], [answer], "own", k=2)
-    assert (alone.steps, alone.tokens, alone.accepted) == (6, 6, 0)

@@ -383,7 +383,7 @@ def test_an_engine_the_driver_starts_logs_to_the_file_too(tmp_path):
 
 
 def test_the_tail_comparison_rolls_each_sample_out_alone_within_its_own_budget():
-    from grpo_specdec.job.compare import requests_of
+    from grpo_specdec.bench.compare import requests_of
     from grpo_specdec.tasks.datasets import ArithmeticSource
 
     rollout = RolloutSettings(prompts_per_iteration=3, group_size=4, max_tokens=200)
@@ -523,7 +523,7 @@ def test_a_frozen_run_s_checkpoint_starts_an_online_learner_from_its_head(
 def test_the_comparison_s_engine_that_never_starts_is_given_up_by_name():
     """Outside the job's placement groups Ray waits for room for the extra engine as long
     as it takes (the job hung after its last iteration): it gets `start_timeout_s`."""
-    from grpo_specdec.job.compare import started
+    from grpo_specdec.bench.compare import started
     from grpo_specdec.job.config import RaySettings
 
     killed, waited = [], []

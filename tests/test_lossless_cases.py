@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import assert_same_distribution, lossless_sampling
 from tests.step_cycle import generate_under_the_step_cycle, step_cycle_engine
-from vllm_plugin.patches import free_k0_v0_32 as free_k0
+from vllm_plugin.patches.features import free_k0_v0_32 as free_k0
 
 # a job, several engines or processes: `make test` runs it, `make test-fast` does not
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The measurement protocol (grpo_specdec/measure.py): the quiet-machine guard, warm-up,
+"""The measurement protocol (grpo_specdec/bench/measure.py): the quiet-machine guard, warm-up,
 shuffled order, paired ratios with intervals."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from grpo_specdec import measure
-from grpo_specdec.measure import (
+from grpo_specdec.bench import measure
+from grpo_specdec.bench.measure import (
     CpuSnapshot,
     MachineBusy,
     others_share,

@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_plugin.patches import cpu_onednn_release_v0_32 as patch
+from vllm_plugin.patches.fixes import cpu_onednn_release_v0_32 as patch
 
 
 class _PassThrough(TorchDispatchMode):

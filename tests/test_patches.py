@@ -10,7 +10,7 @@ import torch
 
 from grpo_specdec.engine import SamplingSettings
 from tests.conftest import plugin_log_lines
-from vllm_plugin.patches import cpu_expand_kernel_v0_32 as patch
+from vllm_plugin.patches.fixes import cpu_expand_kernel_v0_32 as patch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
@@ -27,7 +27,7 @@ def test_patch_is_installed_in_engine_processes_on_cpu(eagle_engine):
     from vllm.v1.sample import rejection_sampler
 
     import vllm_plugin
-    from vllm_plugin.patches import cpu_rejection_sample_v0_32
+    from vllm_plugin.patches.fixes import cpu_rejection_sample_v0_32
 
     assert patch.applies()
     assert {"cpu_expand_kernel_v0_32", "cpu_rejection_sample_v0_32"} <= set(vllm_plugin.PATCHED)

@@ -1,4 +1,4 @@
-"""Our CPU rejection sampler (`vllm_plugin.patches.cpu_rejection_sample_v0_32`) against
+"""Our CPU rejection sampler (`vllm_plugin.patches.fixes.cpu_rejection_sample_v0_32`) against
 vLLM's rule and vLLM's own implementation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_plugin.patches import cpu_rejection_sample_v0_32 as fast
+from vllm_plugin.patches.fixes import cpu_rejection_sample_v0_32 as fast
 
 BONUS = 5
 

@@ -1,4 +1,4 @@
-"""`vllm_plugin/patches/rpc_replies_v0_32.py` on stand-ins for vLLM's executor and its
+"""`vllm_plugin/patches/fixes/rpc_replies_v0_32.py` on stand-ins for vLLM's executor and its
 per-worker reply queues: after a call that failed on one rank, every other rank's unread
 reply is read, even past a rank that never answers, so the next call reads its own."""
 
@@ -8,7 +8,7 @@ import queue
 
 import pytest
 
-from vllm_plugin.patches.rpc_replies_v0_32 import _wrap
+from vllm_plugin.patches.fixes.rpc_replies_v0_32 import _wrap
 
 
 class _Queue:

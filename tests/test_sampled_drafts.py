@@ -1,7 +1,7 @@
 """Sampled drafting (`draft_sampling: probabilistic`): the draft samples from its q and
 verification accounts for q, so outputs keep the target's distribution, for heads over
 the full vocabulary and over a reduced one (q kept in the head's own vocabulary on CPU,
-`patches/cpu_sampled_drafts_v0_32.py`)."""
+`patches/features/cpu_sampled_drafts_v0_32.py`)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from tests.conftest import (
     tiny_engine_config,
 )
 from tests.test_lossless_power import assert_rejects_only_the_bias
-from vllm_plugin.patches import cpu_rejection_sample_v0_32 as rejection
-from vllm_plugin.patches.cpu_sampled_drafts_v0_32 import sample_draft
+from vllm_plugin.patches.features.cpu_sampled_drafts_v0_32 import sample_draft
+from vllm_plugin.patches.fixes import cpu_rejection_sample_v0_32 as rejection
 
 # From the first token (a prefill's) on: the q rows of later positions align with it.
 POSITIONS = range(0, LOSSLESS_POSITIONS.stop)

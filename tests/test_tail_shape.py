@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_specdec.tasks.arithmetic import MAX_LEVEL, make_problem
-from grpo_specdec.tasks.rewards import overlong_penalty
-from grpo_specdec.tasks.tail_shape import (
+from grpo_specdec.bench.tail_shape import (
     in_flight,
     share_of_time_at_most,
     tail_phase_s,
@@ -15,6 +13,8 @@ from grpo_specdec.tasks.tail_shape import (
     tail_share,
     tokens_after_eos,
 )
+from grpo_specdec.tasks.arithmetic import MAX_LEVEL, make_problem
+from grpo_specdec.tasks.rewards import overlong_penalty
 
 
 def test_overlong_penalty_is_free_then_falls_linearly_to_the_full_penalty_at_the_cap():

@@ -6,12 +6,12 @@ the plugin's scheduler with the worker extension composed with verl's."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import yaml
 
 from tests.conftest import ROOT, scrambled
+from vllm_plugin.settings import CONFIG_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ class VerlLikeTrainer:
 
 
 def test_verl_engine_runs_the_plugin_and_takes_draft_pushes_from_its_trainer(
-    tiny_target, tiny_draft, job_profile, monkeypatch, questions, plain_engine
+    tiny_target, tiny_draft, job_profile, questions, plain_engine
 ):
     """verl's engine from the recipe runs the plugin losslessly; its trainer pushes the
     draft through vLLM's weight-update API on the workers verl calls its own methods on:
@@ -73,6 +73,7 @@ def test_verl_engine_runs_the_plugin_and_takes_draft_pushes_from_its_trainer(
     fragment = yaml.safe_load((ROOT / "docs" / "recipes" / "verl.yaml").read_text())
     engine_kwargs = fragment["actor_rollout_ref"]["rollout"]["engine_kwargs"]["vllm"]
     engine_kwargs["speculative_config"]["model"] = tiny_draft
+    engine_kwargs["additional_config"][CONFIG_KEY]["profile"] = job_profile
     verl_settings = {  # the part of verl's own that matters here, sized for the tiny model
         "dtype": "float32",
         "max_model_len": 256,
@@ -86,7 +87,6 @@ def test_verl_engine_runs_the_plugin_and_takes_draft_pushes_from_its_trainer(
     assert engine_args.scheduler_cls == "vllm_plugin.scheduler.ConcurrencyAwareScheduler"
     assert engine_args.worker_extension_cls.endswith("VerlWeightSwapExtension")
     engine_args.per_request_spec_decode_metrics = "detailed"  # the test's acceptance counts
-    monkeypatch.setenv("GRPO_SPECDEC_CONTROLLER", json.dumps({"profile": job_profile}))
     head = load_file(f"{tiny_draft}/model.safetensors")
     prompts = questions[:6]
     # verl sends token ids of chat-templated prompts; the tiny models answer in that format

@@ -29,7 +29,7 @@ from grpo_specdec.vllm_compat import (
 from tests.conftest import ROOT, tiny_engine_config
 from vllm_plugin import compat
 from vllm_plugin.compat import dense_k_table
-from vllm_plugin.patches.group_drafts_v0_32 import DRAFTER_ATTR, group_drafter
+from vllm_plugin.patches.features.group_drafts_v0_32 import DRAFTER_ATTR, group_drafter
 
 
 def _tree(function) -> ast.AST:

@@ -20,6 +20,7 @@ import torch
 
 from tests.conftest import ROOT, free_port, scrambled
 from tests.test_readme import section_commands
+from vllm_plugin.settings import CONFIG_KEY
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -46,6 +47,11 @@ def readme_command(start: str, target: str, draft: str, port: int, *extra: str) 
         "--enforce-eager",
         *extra,
     ]
+
+
+def profile_settings(profile: str) -> list[str]:
+    """The controller's settings naming the test's latency profile, as `vllm serve` takes them."""
+    return ["--additional-config", json.dumps({CONFIG_KEY: {"profile": profile}})]
 
 
 API_KEY = "test-token"
@@ -89,7 +95,6 @@ def fail_loads(tmp_path_factory) -> Path:
 def server(tiny_target, tiny_draft, job_profile, fail_loads, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {
-        "GRPO_SPECDEC_CONTROLLER": json.dumps({"profile": job_profile}),
         **PLUGINS,
         "GRPO_TEST_FAIL_LOADS": str(fail_loads),
         "PYTHONPATH": str(ROOT),
@@ -108,6 +113,7 @@ def server(tiny_target, tiny_draft, job_profile, fail_loads, tmp_path_factory):
         API_KEY,
         "--worker-extension-cls",
         "tests.faulty_swap_extension.FaultyLoadsExtension",
+        *profile_settings(job_profile),
         "--weight-transfer-config",
         '{"backend": "grpo_shm_faulty"}',
         "--max-model-len",
@@ -474,9 +480,10 @@ def test_trl_vllm_serve_runs_the_plugin(tiny_target, tiny_draft, job_profile, qu
     not know, so the plugin's scheduler and extension pass through."""
     from openai import OpenAI
 
-    trl = readme_command("trl vllm-serve", tiny_target, tiny_draft, free_port())
-    env = {"GRPO_SPECDEC_CONTROLLER": json.dumps({"profile": job_profile})}
-    proc, url = start_server(trl, env, tmp_path / "trl.log")
+    trl = readme_command(
+        "trl vllm-serve", tiny_target, tiny_draft, free_port(), *profile_settings(job_profile)
+    )
+    proc, url = start_server(trl, {}, tmp_path / "trl.log")
     try:
         out = OpenAI(base_url=f"{url}/v1", api_key="unused").completions.create(
             model=tiny_target, prompt=questions[:4], n=4, temperature=1.0, max_tokens=16

@@ -4,7 +4,7 @@
 it starts. It registers the `grpo_shm` weight-transfer backend (`shm_transfer`). Features
 (the concurrency-aware scheduler, the weight-swap extension, that backend) are opt-in by
 configuration. What it does unasked is patch vLLM 0.32 (see `patches/`, one
-module each): on CPU, sampled speculative decoding that was not lossless and cost too
+module each, bugs of vLLM's in `fixes/`, what this project adds in `features/`): on CPU, sampled speculative decoding that was not lossless and cost too
 much, sampled drafting that cost more than it gained, engine starts that recompiled
 every time, aborted at random, or failed after numba was imported; on vLLM's V1 model
 runner, a draft pass that ran on steps drafting nothing (it now runs lazily, catching up
@@ -48,15 +48,17 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from vllm_plugin import patches
-    from vllm_plugin.patches import (
+    from vllm_plugin.patches.features import (
+        cpu_sampled_drafts_v0_32,
+        free_k0_v0_32,
+        group_drafts_v0_32,
+    )
+    from vllm_plugin.patches.fixes import (
         cpu_compile_cache_v0_32,
         cpu_expand_kernel_v0_32,
         cpu_kernel_scan_v0_32,
         cpu_onednn_release_v0_32,
         cpu_rejection_sample_v0_32,
-        cpu_sampled_drafts_v0_32,
-        free_k0_v0_32,
-        group_drafts_v0_32,
         rpc_replies_v0_32,
         v2_graph_candidates_v0_32,
     )

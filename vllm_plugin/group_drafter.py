@@ -1,6 +1,6 @@
 """Each step, which draft tokens to verify: the model draft's, or the group's text's.
 
-Plain Python, testable without vLLM; `patches/group_drafts_v0_32.py` calls it once per
+Plain Python, testable without vLLM; `patches/features/group_drafts_v0_32.py` calls it once per
 engine step with the batch's requests (prompt and output so far) and the drafts the
 engine's own drafter made (EAGLE's k tokens per request, or none).
 

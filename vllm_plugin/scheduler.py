@@ -153,9 +153,9 @@ class ConcurrencyAwareMixin:
                 "whose num_speculative_tokens is the largest k to draft"
             )
         check_engine(self.vllm_config, self.num_spec_tokens)
-        self.controller_settings = ControllerSettings.from_env()
+        self.controller_settings = ControllerSettings.of_engine(self.vllm_config)
         self.acceptance = self.new_acceptance()
-        # Which drafter made each request's pending drafts (patches/group_drafts_v0_32.py
+        # Which drafter made each request's pending drafts (patches/features/group_drafts_v0_32.py
         # says; without it every draft is the model's), so k is priced on the model's.
         self.draft_sources: dict[str, str] = {}
         self.verified_by_source: Counter = Counter()  # request-steps with drafts verified

@@ -1,9 +1,10 @@
 """Settings of the concurrency-aware scheduler, and where it finds its latency profile.
 
-The scheduler runs wherever vLLM runs its engine core (this process or a child), so
-its settings travel in one environment variable, GRPO_SPECDEC_CONTROLLER, holding JSON.
-Without it, defaults apply and the profile is looked up in the profile store under
-the served model, dtype and hardware, as `grpo-specdec profile` saved it.
+The scheduler runs wherever vLLM runs its engine core (this process or a child), so its
+settings travel in the engine's own config: `additional_config={"grpo_specdec": {...}}`
+(`vllm serve --additional-config '{"grpo_specdec": {...}}'`), vLLM's place for a plugin's
+settings. Without them, defaults apply and the profile is looked up in the profile store
+under the served model, dtype and hardware, as `grpo-specdec profile` saved it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ENV = "GRPO_SPECDEC_CONTROLLER"
+CONFIG_KEY = "grpo_specdec"  # the settings' key in vLLM's additional_config
+# An environment variable that once held the settings: set, it is refused with the way to
+# move them, rather than ignored while the engine runs on defaults.
+_OLD_ENV = "GRPO_SPECDEC_CONTROLLER"
 
 
 class GroupDraftSettings(BaseModel):
-    """Drafts from the text of a GRPO group (see vllm_plugin/group_drafter.py)."""
+    """Drafts from the text of a GRPO group (see vllm_plugin/group_drafter.py).
+    Experimental: no GRPO rollout measured yet gains from them (docs/USAGE.md)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -62,17 +67,26 @@ class ControllerSettings(BaseModel):
     group: GroupDraftSettings = GroupDraftSettings()
 
     @classmethod
-    def from_env(cls) -> ControllerSettings:
-        raw = os.environ.get(ENV)
-        if not raw:
-            return cls()
+    def of_engine(cls, vllm_config) -> ControllerSettings:
+        """The settings an engine was started with, validated by field."""
+        if raw := os.environ.get(_OLD_ENV):
+            example = f'{{"{CONFIG_KEY}": {raw}}}'
+            raise ValueError(
+                f"{_OLD_ENV} is not read: pass the controller settings in the engine's config, "
+                f"additional_config={example} (vllm serve --additional-config '{example}'), "
+                f"and unset {_OLD_ENV}"
+            )
+        extra = vllm_config.additional_config
+        given = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
         try:
-            return cls.model_validate(json.loads(raw))
-        except (json.JSONDecodeError, ValueError) as err:
-            raise ValueError(f"{ENV} is not valid controller settings JSON: {err}") from None
+            return cls.model_validate(given or {})
+        except ValueError as err:
+            raise ValueError(
+                f"additional_config[{CONFIG_KEY!r}] is not valid controller settings: {err}"
+            ) from None
 
-    def to_env(self) -> str:
-        return self.model_dump_json(exclude_none=True)
+    def as_additional_config(self) -> dict:
+        return {CONFIG_KEY: self.model_dump(exclude_none=True)}
 
 
 def hardware_name() -> str:
@@ -92,7 +106,7 @@ def hardware_name() -> str:
 
 
 # Bumped when what a profile measures or how it is fitted changes: 2 = steps with k = 0
-# skip the draft pass (patches/free_k0_v0_32.py) and the fit prices speculating at all;
+# skip the draft pass (patches/features/free_k0_v0_32.py) and the fit prices speculating at all;
 # 3 = the fit is in relative error; 4 = steps at a long context time the attention term;
 # 5 = prefill and T = 1 sampling are timed for the simulator.
 PROFILE_FORMAT = 5
@@ -221,7 +235,7 @@ def load_latency(settings: ControllerSettings, vllm_config):
             f"{vllm_config.model_config.model} --draft {spec.model if spec else 'DRAFT'}"
             f"{' --draft-sampling ' + spec.draft_sample_method if key.get('draft_sampling') else ''}"
             "` first, "
-            f"or name a profile in the GRPO_SPECDEC_CONTROLLER settings"
+            f'or name a profile in additional_config["{CONFIG_KEY}"]["profile"]'
         )
     profile = json.loads(path.read_text())
     check_engine_shape(profile, path, vllm_config)

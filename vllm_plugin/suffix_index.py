@@ -12,7 +12,7 @@ disagree drop out. Its confidence at depth j is agreeing / (occurrences + 1): th
 of earlier continuations that went this way, shrunk toward 0 for small counts. At
 temperature 1 that share estimates the target's probability of the token, which is the
 chance that verification accepts it (a one-hot draft q is accepted with probability
-p(token)); `benchmarks/group_drafts.py` measures how well it is calibrated.
+p(token)); docs/benchmarks/group_drafts.md holds how well it was calibrated.
 
 Memory is bounded in indexed positions: `GroupHistory` keeps the groups under a budget,
 dropping the least recently used first; `approx_bytes` reports what they take.

@@ -21,7 +21,7 @@ import logging
 
 from vllm_plugin.compat import end_weight_update
 from vllm_plugin.manifest import WeightSwapError
-from vllm_plugin.patches.group_drafts_v0_32 import group_drafter
+from vllm_plugin.patches.features.group_drafts_v0_32 import group_drafter
 from vllm_plugin.shm_transfer import BACKEND, ShmWeightTransferEngine
 
 logger = logging.getLogger(__name__)

@@ -1,12 +1,12 @@
 """The end-of-job comparison (`compare_at_end`): the next batch of prompts rolled out by
 the job's first engine (its speculation, the final weights; and at each `compare.fixed_k`)
 and by an engine without speculation serving the same weights, side by side in a table,
-under the measurement protocol (`grpo_specdec/measure.py`): every configuration warmed on
+under the measurement protocol (`grpo_specdec/bench/measure.py`): every configuration warmed on
 the workload, then `compare.repeats` rounds in a seeded shuffled order, each from an empty
 prefix cache; each ratio is the median over rounds with a 95% interval.
 
 `compare.shape: tail` rolls the next batch's prompts out as the tail shape
-(`tasks/tail_shape.py`): each sample its own request with its own length budget, so that
+(`bench/tail_shape.py`): each sample its own request with its own length budget, so that
 few requests are left in flight for much of the rollout, as in real GRPO rollouts. There
 every timed run makes exactly the tokens each request made in the warm-up run without
 speculation (EOS then ignored): a speculative engine on CPU cannot follow per-request seeds,
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import ray
 
+from grpo_specdec.bench.measure import run_protocol, speedup
+from grpo_specdec.bench.tail_shape import tail_phase_s, with_budgets
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.config import CompareSettings
 from grpo_specdec.job.lifecycle import Roles
-from grpo_specdec.measure import run_protocol, speedup
-from grpo_specdec.tasks.tail_shape import tail_phase_s, with_budgets
 
 NO_SPEC = "no speculation"
 NATURAL = "natural EOS: "  # the rows of the natural-EOS rounds

@@ -72,7 +72,7 @@ class DataSettings(StrictModel):
 class LengthBudget(StrictModel):
     """Each sample its own seeded log-normal max_tokens (at least 16, at most
     rollout.max_tokens): the tail shape's stand-in for a policy that has learnt to stop
-    (`tasks/tail_shape.py`), so that few requests are left in flight for much of a rollout."""
+    (`bench/tail_shape.py`), so that few requests are left in flight for much of a rollout."""
 
     median: int = Field(ge=16)
     sigma: float = Field(0.7, ge=0)
@@ -265,7 +265,7 @@ class CompareSettings(StrictModel):
         3,
         ge=1,
         description="timed rounds after one warm-up per configuration, each in a new shuffled "
-        "order; ratios are their median with a 95% interval (grpo_specdec/measure.py)",
+        "order; ratios are their median with a 95% interval (grpo_specdec/bench/measure.py)",
     )
     natural_repeats: int = Field(
         0,

@@ -1,6 +1,6 @@
 """The learners' compute precision: bfloat16 autocast where the hardware runs it fast.
 
-Measured with `python benchmarks/learner_precision.py` on this project's 2-core AMD EPYC
+Measured once (docs/benchmarks/learner_precision.md) on this project's 2-core AMD EPYC
 (AVX512-BF16, no AMX): one SmolLM2-135M learner step on 32 sequences of 192 tokens takes
 45.6 s in fp32 and 18.5 s under bf16 autocast (2.46x), with gradients at cosine 0.9997.
 Without bfloat16 instructions the CPU emulates it and autocast loses, so `auto` asks the

@@ -21,12 +21,12 @@ from pathlib import Path
 import ray
 import torch
 
+from grpo_specdec.bench.compare import compare_rollout
 from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, report_line
 from grpo_specdec.grpo.core import first_informative, group_advantages
 from grpo_specdec.job.actors import start_ray
 from grpo_specdec.job.batches import Batch, batch_at, prompt_source
 from grpo_specdec.job.checkpoints import Checkpointer, read_state
-from grpo_specdec.job.compare import compare_rollout
 from grpo_specdec.job.config import RewardSettings, TrainConfig
 from grpo_specdec.job.engine_setup import check_context_length
 from grpo_specdec.job.learners import PolicyBatch

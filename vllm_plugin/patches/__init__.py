@@ -1,5 +1,7 @@
-"""Fixes for vLLM bugs this project cannot work around otherwise; one module per fix,
-each naming the vLLM version it targets and applying only there.
+"""Patches of vLLM, one module each, naming the vLLM version it targets and applying only
+there: `fixes/` for vLLM's bugs this project cannot work around otherwise, `features/` for
+what it adds where vLLM has no extension point (a free k = 0 step, sampled drafts in a
+head's own vocabulary on CPU, group drafts).
 
 Most of them change vLLM 0.32's V1 model runner (`vllm.v1.worker.gpu_model_runner`, which
 the CPU runner subclasses), its drafter or its rejection sampler. vLLM 0.32 also ships Model
@@ -72,9 +74,15 @@ def acting(patched: list[str], runner: str) -> list[str]:
     """Of the patches applied in this process, those that act in an engine on `runner`: on
     V2, none of those that change the V1 runner (V2 never calls what they change)."""
     import importlib
+    import pkgutil
+
+    from vllm_plugin.patches import features
+
+    feature_names = {m.name for m in pkgutil.iter_modules(features.__path__)}
 
     def needs_v1(name: str) -> bool:
-        return importlib.import_module(f"{__name__}.{name}").NEEDS_V1_RUNNER
+        kind = "features" if name in feature_names else "fixes"
+        return importlib.import_module(f"{__name__}.{kind}.{name}").NEEDS_V1_RUNNER
 
     return [name for name in patched if runner == "V1" or not needs_v1(name)]
 

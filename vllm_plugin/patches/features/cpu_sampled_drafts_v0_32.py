@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 
 from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
-from vllm_plugin.patches.cpu_rejection_sample_v0_32 import (
+from vllm_plugin.patches.features.group_drafts_v0_32 import ONE_HOT_REQS_ATTR
+from vllm_plugin.patches.fixes.cpu_rejection_sample_v0_32 import (
     ONE_HOT_ATTR,
     VOCAB_IDS_ATTR,
     inverse_cdf,
 )
-from vllm_plugin.patches.group_drafts_v0_32 import ONE_HOT_REQS_ATTR
 
 TARGET_VERSION = "0.32.0"
 NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1

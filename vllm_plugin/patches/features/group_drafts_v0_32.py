@@ -20,7 +20,8 @@ The returned `DraftTokenIds` carries `grpo_sources` and `grpo_model_discarded` (
 request) so the concurrency-aware scheduler learns the model draft's acceptance from its
 own drafts only, counting a draft a group draft replaced as made and not accepted.
 
-Active when `GRPO_SPECDEC_CONTROLLER` has `group.enabled`, on vLLM's V1 model runner (V2
+Active when the controller settings (`additional_config["grpo_specdec"]`) have
+`group.enabled`, on vLLM's V1 model runner (V2
 never calls this hook; see `patches/__init__.py`); needs synchronous scheduling
 (with async scheduling the runner feeds the model draft's device tensor to the next step
 and never reads these lists), which is vLLM's setting on CPU and for the `ngram` host.
@@ -56,7 +57,7 @@ def _build(runner):
     spec = runner.speculative_config
     if spec is None:
         return None
-    settings = ControllerSettings.from_env()
+    settings = ControllerSettings.of_engine(runner.vllm_config)
     if not settings.group.enabled:
         return None
     if runner.use_async_scheduling:

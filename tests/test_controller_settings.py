@@ -1,0 +1,51 @@
+"""The controller's settings reach the engine core in vLLM's own config, and bad ones are
+refused by field."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from tests.conftest import engine_kwargs, tiny_engine_config
+from vllm_plugin.settings import CONFIG_KEY, ControllerSettings
+
+
+def test_an_engine_s_controller_settings_travel_in_its_config_not_the_environment(
+    monkeypatch, tiny_target, tiny_draft
+):
+    controller = {"acceptance_prior": 0.3, "acceptance_optimism": 2.0, "trace_steps": 7}
+    speculative = {"draft": tiny_draft, "k": 3, "controller": controller}
+    cfg = tiny_engine_config(tiny_target, tiny_draft, speculative=speculative)
+    config = EngineArgs(**engine_kwargs(monkeypatch, cfg)).create_engine_config()
+    settings = ControllerSettings.of_engine(config)
+    assert settings == ControllerSettings(**controller)
+    assert settings != ControllerSettings()
+    assert not any(name.startswith("GRPO_SPECDEC") for name in os.environ)
+
+
+def test_an_engine_without_settings_runs_on_the_defaults():
+    assert ControllerSettings.of_engine(SimpleNamespace(additional_config={})) == (
+        ControllerSettings()
+    )
+
+
+def test_a_bad_setting_is_refused_by_field():
+    config = SimpleNamespace(additional_config={CONFIG_KEY: {"acceptance_prior": 2.0}})
+    with pytest.raises(
+        ValueError, match=r"(?s)additional_config\['grpo_specdec'\].*acceptance_prior"
+    ):
+        ControllerSettings.of_engine(config)
+    config = SimpleNamespace(additional_config={CONFIG_KEY: {"acceptance_prio": 0.5}})
+    with pytest.raises(ValueError, match="acceptance_prio"):
+        ControllerSettings.of_engine(config)
+
+
+def test_settings_left_in_the_environment_are_refused_with_where_they_go(monkeypatch):
+    monkeypatch.setenv("GRPO_SPECDEC_CONTROLLER", '{"profile": "p.json"}')
+    with pytest.raises(
+        ValueError, match=r"""additional_config=\{"grpo_specdec": \{"profile": "p.json"\}\}"""
+    ):
+        ControllerSettings.of_engine(SimpleNamespace(additional_config={}))

@@ -1,0 +1,1 @@
+"""Fixes of vLLM 0.32 bugs, one module per bug (docs/VLLM_PATCHES.md)."""
