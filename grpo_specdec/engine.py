@@ -368,7 +368,9 @@ class Engine:
             wall,
             [r.metrics.scheduled_ts - t0 for r in raw],
             [r.metrics.last_token_ts - t0 for r in raw],
-            self._watch_draft(counters),
+            # Text past an EOS the policy would have stopped at is not what a head drafts
+            # in a rollout, and it accepts far less there: not evidence of a collapse.
+            None if sampling.ignore_eos else self._watch_draft(counters),
         )
 
     def _watch_draft(self, counters: SpecCounters) -> Rollback | None:

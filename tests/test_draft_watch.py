@@ -83,3 +83,20 @@ def test_a_scrambled_head_pushed_into_a_running_engine_is_rolled_back(
     engine.swap_weights("draft", weights, 2, meta)
     kept = engine.generate(prompts, greedy)
     assert kept.draft_rollback is None and engine.weight_versions()["draft"] == 2
+
+
+def test_text_past_eos_is_no_evidence_against_a_head(engine, tiny_draft, questions):
+    """Rounds that ignore EOS (a benchmark's equal-token rounds) do not judge the head; the
+    next rollout does."""
+    prompts = [engine.encode(q) for q in questions]
+    weights = load_file(str(Path(tiny_draft) / "model.safetensors"))
+    engine.generate(prompts, SamplingSettings(max_tokens=40))  # the serving head measured
+    before = engine.weight_versions()["draft"]
+    engine.swap_weights("draft", scrambled(weights), before + 1, None)
+    past_eos = engine.generate(prompts, SamplingSettings(max_tokens=40, ignore_eos=True))
+    assert past_eos.spec["draft_tokens"] >= MIN_DRAFT_TOKENS
+    assert past_eos.draft_rollback is None
+    assert engine.weight_versions()["draft"] == before + 1
+    rollout = engine.generate(prompts, SamplingSettings(max_tokens=40))
+    assert rollout.draft_rollback is not None
+    assert engine.weight_versions()["draft"] == before
