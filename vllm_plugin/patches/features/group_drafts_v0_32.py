@@ -150,8 +150,7 @@ def _one_hot_group_rows(runner, req_ids: list[str], proposal) -> None:
 
 
 def _wrap_init(original):
-    # Built when the engine starts, from the settings in the environment then (another
-    # engine started later in this process may carry other settings).
+    # Built when the engine starts, from that engine's own settings (its additional_config).
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         setattr(self, DRAFTER_ATTR, _build(self))
