@@ -83,55 +83,19 @@ def smollm2_head(target: str, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> 
     full-vocabulary one with `draft_vocab=None`."""
     out = head_dir(draft_vocab)
     if not (out / "model.safetensors").is_file():
-        extra = [] if draft_vocab is None else ["--draft-vocab", str(draft_vocab)]
-        _draft_train(target, out, 300, 512, *extra)
-    return str(out)
-
-
-def _draft_train(target: str, out: Path, steps: int, prompts: int, *flags: str) -> None:
-    """`grpo-specdec draft train` on the arithmetic task, 128-token answers."""
-    cli(
-        "draft",
-        "train",
-        "--target",
-        target,
-        "--task",
-        "arithmetic",
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--num-prompts",
-        str(prompts),
-        "--max-tokens",
-        "128",
-        *flags,
-    )
-
-
-def smollm2_t1_head(target: str, tv_weight: float, steps: int = 200, prompts: int = 512) -> str:
-    """The default head refined for sampling at T = 1: `steps` more steps on the policy's
-    T = 1 answers to `prompts` prompts, with the EAGLE loss (`tv_weight` 0) or with the
-    TV term added."""
-    start = smollm2_head(target)
-    more = "" if prompts == 512 else f"-p{prompts}"
-    out = default_dir().parent / "heads" / f"{Path(start).name}-t1-tv{tv_weight:g}-s{steps}{more}"
-    if not (out / "model.safetensors").is_file():
-        _draft_train(
+        vocab = [] if draft_vocab is None else ["--draft-vocab", str(draft_vocab)]
+        train = ["--steps", "300", "--num-prompts", "512", "--max-tokens", "128"]
+        cli(
+            "draft",
+            "train",
+            "--target",
             target,
-            out,
-            steps,
-            prompts,
-            "--init",
-            start,
-            "--gen-temperature",
-            "1.0",
-            "--tv-weight",
-            str(tv_weight),
-            "--draft-sampling",
-            "probabilistic",
-            "--json",
-            str(out.parent / f"{out.name}.json"),
+            "--task",
+            "arithmetic",
+            "--out",
+            str(out),
+            *train,
+            *vocab,
         )
     return str(out)
 
@@ -167,27 +131,6 @@ def smollm2_profile(
         str(ASSETS / f"profile_{name}.png"),
     )
     return out
-
-
-def fixed_k_engine(target: str, head: str, k_max: int, draft_sampling: str = "greedy"):
-    """A SmolLM2 engine with this head whose k the caller sets per run
-    (`engine.scheduler().set_policy(FixedPolicy(k))`, k <= k_max)."""
-    from grpo_specdec.engine import Engine, EngineConfig
-
-    return Engine(
-        EngineConfig(
-            model=target,
-            max_model_len=1024,
-            seed=0,
-            speculative={
-                "draft": head,
-                "k": k_max,
-                "draft_sampling": draft_sampling,
-                "concurrency_aware": True,
-                "controller": {"policy": "fixed"},
-            },
-        )
-    )
 
 
 def write_study(study: str, title: str, results: str, script: str, today: str = "") -> Path:
@@ -237,7 +180,6 @@ def load_json(path: Path) -> dict:
 def trained_policy(iterations: int = 12, lr: float = 1e-4) -> tuple[str, str]:
     """(policy, draft head) after `iterations` of the project's own GRPO job on SmolLM2 at
     learning rate `lr`, with the head learning online; trained once, then reused."""
-    from grpo_specdec.assets.smollm2 import default_dir
     from grpo_specdec.job.checkpoints import latest_checkpoint
 
     out = default_dir().parent / "runs" / f"smollm2-arith-lr{lr:g}-it{iterations}"

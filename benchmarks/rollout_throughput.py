@@ -12,7 +12,7 @@ Workloads:
   `trained` (the policy after --trained-iterations of `grpo-specdec train` at
   --trained-lr, with the head it learnt online; trained here if absent) and `long` (4 x
   16, max 512 tokens);
-- the tail shape (`benchmarks/tail_shape.py`: 8 mixed-level prompts x 8 samples, each its
+- the tail shape (`grpo_specdec/bench/tail_shape.py`: 8 mixed-level prompts x 8 samples, each its
   own request with its own length budget under a 1024 cap), where the last tenth of the
   requests take a quarter of the no-speculation wall time: its makespan and its tail phase
   (after 90% of the requests finished) are reported apart.

@@ -8,11 +8,8 @@ Runs that carry their own profiles (profile format >= 5, `profiles` in the run's
 profile of the configuration's drafting (greedy or sampled) with the prefill and sampling
 costs it timed, the acceptance per position the engine measured on that workload at fixed
 k = k_max with the same drafting, and each repeat's output lengths; nothing is fitted.
-
-Earlier runs (their profiles lack those costs) are predicted as before: the run's latency
-model, its calibration acceptance (measured once at k_max on the policy's GRPO rollout) or
-the one that reproduces the configuration's mean acceptance length, and the costs the
-profile left out, fitted once on one trace and stated in the report.
+Earlier runs, whose profiles (formats 3-4) lack those costs, are no longer predicted: their
+last predictions are in the study at commit d5ddf00.
 """
 
 from __future__ import annotations
@@ -30,14 +27,11 @@ from benchmarks.common import ASSETS, load_json, write_study
 from benchmarks.rollout_throughput import OUTSIDE_PROMPTS, SHAPES, TAIL
 from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.simulate import (
-    NONE_UNPROFILED,
     VLLM_EXAMPLE_TABLES,
     MeasuredSteps,
-    Replay,
     UnprofiledCosts,
     Workload,
     drawn_replay,
-    lengths_from_trace,
     replay,
 )
 from grpo_specdec.tasks.arithmetic import make_problems
@@ -53,24 +47,7 @@ from vllm_plugin.controller import (
 )
 
 GOAL, LIMIT = 0.07, 0.15  # within GOAL for >= 90% of configurations, none beyond LIMIT
-# The one trace the unprofiled costs are fitted on (its k = 0 decode steps).
-CALIBRATION_RUN, CALIBRATION_SHAPE = "rollout_throughput_group", "untrained"
-# The profiler times 16 steps after 4 warm-up steps at each k = 0..k_max: its contexts run
-# from the prompt to prompt + 20 (k + 1) tokens, 35 beyond the prompt on average at k_max 5.
-PROFILE_CONTEXT_BEYOND_PROMPT = 35.0
 DRAWS = 16  # replays per repeat of a run with its own profiles, tokens drawn (`drawn_replay`)
-
-
-@dataclass
-class Measured:
-    run: str
-    section: str
-    key: str
-    config: str
-    wall_s: float
-    mal: float
-    workload: Workload
-    model: str  # which policy answered: "base" or "trained"
 
 
 @functools.cache
@@ -128,25 +105,6 @@ def workload_of(section: str, key: str, args: dict) -> tuple[str, np.ndarray, fl
     return "base", prompt_tokens(prompts), float(temp)
 
 
-def measured_configs(run: str, data: dict) -> list[Measured]:
-    args = data["args"]
-    rows = []
-    for section, keyed in data["results"].items():
-        for key, configs in keyed.items():
-            model, prompt_lengths, temperature = workload_of(section, key, args)
-            if section == "grpo":
-                conditional = data["calibration_conditional_acceptance"][model]
-                lengths = lengths_from_trace(data["traces"][key], conditional)
-            else:
-                lengths = np.full(len(prompt_lengths), float(args["tokens"]))
-            workload = Workload(lengths, prompt_lengths, temperature)
-            for config, v in configs.items():
-                rows.append(
-                    Measured(run, section, key, config, v["wall_s"], v["mal"], workload, model)
-                )
-    return rows
-
-
 def setup_of(config: str, model: str, data: dict, latency: LatencyModel, conditional):
     """(policy, latency the steps cost, k_max, draft pass at k = 0) of a configuration, as
     benchmarks/rollout_throughput.py built it for the policy `model`. Acceptance-driven
@@ -181,86 +139,6 @@ def setup_of(config: str, model: str, data: dict, latency: LatencyModel, conditi
         latency,
         k_max,
         False,
-    )
-
-
-def predict(m: Measured, data: dict, conditional, unprofiled: UnprofiledCosts) -> Replay:
-    """The replay of a configuration; where the engine held fewer sequences than the
-    workload has, one replay per wave of that many, back to back (exact for one slot)."""
-    latency = profile_latency(data)
-    policy, cost, k_max, shipped_k0 = setup_of(m.config, m.model, data, latency, conditional)
-    w, slots = m.workload, engine_slots(data["args"])
-    waves = [
-        replay(
-            cost,
-            conditional,
-            Workload(
-                w.output_lengths[i : i + slots], w.prompt_lengths[i : i + slots], w.temperature
-            ),
-            policy,
-            unprofiled,
-            shipped_k0,
-        )
-        for i in range(0, len(w.output_lengths), slots)
-    ]
-    if len(waves) == 1:
-        return waves[0]
-    drafted = [r for r in waves if r.mal > 1]
-    return Replay(
-        makespan_s=sum(r.makespan_s for r in waves),
-        tokens=sum(r.tokens for r in waves),
-        tail_s=waves[-1].tail_s,
-        mal=float(np.mean([r.mal for r in drafted])) if drafted else 1.0,
-        steps=[],
-    )
-
-
-def extended(conditional, k: int) -> np.ndarray:
-    """The acceptance vector to position k, its last value carried on."""
-    c = np.asarray(conditional, dtype=float)
-    return np.concatenate([c, np.full(max(0, k - len(c)), c[-1])])[: max(k, len(c))]
-
-
-def mal_matched(m: Measured, data: dict, conditional, unprofiled: UnprofiledCosts):
-    """The prediction with the calibration acceptance scaled (s * p_i, at most 1) so that the
-    replay's mean acceptance length equals the configuration's measured one (bisection on s;
-    a policy that never drafts keeps the calibration acceptance)."""
-    lo, hi = 0.0, 1.0 / max(float(np.min(conditional)), 1e-3)
-    best = predict(m, data, conditional, unprofiled)
-    if m.mal <= 1.0 and best.mal <= 1.0:
-        return best
-    for _ in range(24):
-        s = (lo + hi) / 2
-        best = predict(m, data, np.minimum(s * conditional, 1.0), unprofiled)
-        lo, hi = (s, hi) if best.mal < m.mal else (lo, s)
-    return best
-
-
-def fit_unprofiled(data: dict, shape: str) -> UnprofiledCosts:
-    """The costs the profile lacks, from one trace: prefill per prompt token from its first
-    step; least squares on its k = 0 decode steps of the step time beyond the profile's
-    T(B) against B (sampling at T = 1) and against the tokens of context beyond the
-    profile's (every running request has made as many tokens as steps have run, where
-    k = 0)."""
-    latency = profile_latency(data)
-    trace = data["traces"][shape]
-    _, n_prompts, group, _ = SHAPES[shape]
-    prompts = prompt_tokens([p.question for p in make_problems(n_prompts, seed=11, level=2)])
-    prompt = float(prompts.mean())
-    reference = prompt + PROFILE_CONTEXT_BEYOND_PROMPT
-    prefill_ms = 1000 * (trace[1][0] - trace[0][0])
-    rows, excess = [], []
-    for i in range(1, len(trace) - 1):  # step i lasts until step i + 1 starts
-        _, b, k = trace[i]
-        if k == 0:
-            rows.append([b, b * max(prompt + i - reference, 0.0)])
-            excess.append(1000 * (trace[i + 1][0] - trace[i][0]) - float(latency.step_ms(b, 0)))
-    coef = np.linalg.lstsq(np.array(rows), np.array(excess), rcond=None)[0]
-    return UnprofiledCosts(
-        sampling_ms_per_token=float(max(coef[0], 0)),
-        attention_ms_per_kv_token=float(max(coef[1], 0)),
-        reference_context=reference,
-        prefill_ms_per_token=prefill_ms / float(prompts.sum() * group),
     )
 
 
@@ -444,89 +322,13 @@ def current_report(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def report(rows: list[tuple], unprofiled: UnprofiledCosts) -> str:
-    def err(pred, meas):
-        return pred / meas - 1
-
-    calib = [err(r[5], r[4]) if r[5] is not None else None for r in rows]
-    matched = [err(r[6], r[4]) for r in rows]
-    raw = [err(r[7], r[4]) if r[7] is not None else None for r in rows]
-    lines = [
-        "### Earlier runs (profile formats 3-4)",
-        "",
-        "Every configuration of the earlier runs of "
-        "`benchmarks/rollout_throughput.py` (docs/assets/rollout_throughput*.json), each from "
-        "that run's own latency model and the configuration's own policy.",
-        "",
-        "- **A. calibration acceptance**: the run's `calibration_conditional_acceptance` "
-        "(measured once at k_max on that policy's GRPO rollout). Not defined for drafts "
-        "from the group's text or sampled drafts (no per-position acceptance of theirs is "
-        "stored): '—'.",
-        "- **B. MAL-matched**: that acceptance scaled so the replay's mean acceptance "
-        "length equals the configuration's measured one.",
-        "- **profile only**: A without the unprofiled costs below.",
-        "",
-        "Unprofiled costs (one fit, on the k = 0 decode steps of the `ours` trace of "
-        f"`{CALIBRATION_RUN}` / `{CALIBRATION_SHAPE}`, applied to every run): sampling at T = 1 "
-        f"{unprofiled.sampling_ms_per_token * 1000:.1f} µs per verified token; attention "
-        f"{unprofiled.attention_ms_per_kv_token * 1e6:.0f} ns per query token per context token beyond "
-        f"{unprofiled.reference_context:.0f} (the profile's mean context); prefill "
-        f"{unprofiled.prefill_ms_per_token * 1000:.0f} µs per prompt token (its first step). "
-        "That trace's own "
-        "configuration (`ours`) is in-sample.",
-        "",
-        f"- A: {verdict(calib)}.",
-        f"- B: {verdict(matched)}.",
-        f"- profile only: {verdict(raw)}.",
-        "",
-        "| run | workload | config | measured s | A s | A err | B s | B err | profile only err |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r, a, b, p in zip(rows, calib, matched, raw, strict=True):
-        run, section, key, config, meas, pa, pb, _ = r
-        lines.append(
-            f"| {run.removeprefix('rollout_throughput').strip('_') or 'main'} | {section} {key} | "
-            f"{config} | {meas:.2f} | "
-            + (f"{pa:.2f} | {a:+.1%}" if pa is not None else "— | —")
-            + f" | {pb:.2f} | {b:+.1%} | "
-            + (f"{p:+.1%}" if p is not None else "—")
-            + " |"
-        )
-    return "\n".join(lines)
-
-
 def main() -> None:
     stored = {p.stem: load_json(p) for p in sorted(ASSETS.glob("rollout_*.json"))}
     current = {run: data for run, data in stored.items() if "profiles" in data}
-    runs = {
-        run: data
-        for run, data in stored.items()
-        if run.startswith("rollout_throughput") and run not in current
-    }
-    unprofiled = fit_unprofiled(runs[CALIBRATION_RUN], CALIBRATION_SHAPE)
-    rows = []
-    for run, data in runs.items():
-        for m in measured_configs(run, data):
-            has_calibration = not (m.config.startswith(("group", "sampled")))
-            conditional = extended(
-                data["calibration_conditional_acceptance"][m.model],
-                data["args"].get("group_k_max", 0) if m.config.startswith("group") else 0,
-            )
-            a = predict(m, data, conditional, unprofiled).makespan_s if has_calibration else None
-            b = mal_matched(m, data, conditional, unprofiled).makespan_s
-            raw = (
-                predict(m, data, conditional, NONE_UNPROFILED).makespan_s
-                if has_calibration
-                else None
-            )
-            rows.append((run, m.section, m.key, m.config, m.wall_s, a, b, raw))
     text = (
         "Predicted wall time of every configuration measured by "
-        "`benchmarks/rollout_throughput.py`, from that run's profile and the configuration's "
-        "own policy. Earlier runs are predicted by deterministic expectations (one replay, "
-        "E[tokens | k] per step).\n\n"
-        + (current_report(current) + "\n\n" if current else "")
-        + report(rows, unprofiled)
+        "`benchmarks/rollout_throughput.py` with profiles of its own, from that run's "
+        "profiles and the configuration's own policy.\n\n" + current_report(current)
     )
     write_study(
         "simulator",
