@@ -94,9 +94,9 @@ def run(args) -> dict:
             with Peak(device) as forward:
                 data = policy.prepare(batch)
             with Peak(device) as update:
-                policy_stats = policy.update()
+                policy_round = policy.update()
             with Peak(device) as train:
-                draft_stats = draft.train(data)
+                draft_round = draft.train(data)
             hidden = sum(s.hidden.numel() * s.hidden.element_size() for s in data.seqs)
             steps.append(
                 {
@@ -109,9 +109,9 @@ def run(args) -> dict:
                     "hidden_gib": hidden / 2**30,
                     "hidden_dtype": str(data.seqs[0].hidden.dtype),
                     "tokens": sum(len(t) for t in batch.token_ids),
-                    "policy_loss": policy_stats.get("loss"),
-                    "draft_loss": draft_stats.get("draft_loss"),
-                    "draft_steps": draft_stats.get("draft_steps"),
+                    "policy_loss": policy_round.means.get("loss"),
+                    "draft_loss": draft_round.means.get("loss"),
+                    "draft_steps": draft_round.steps,
                 }
             )
             print(json.dumps(steps[-1]), flush=True)

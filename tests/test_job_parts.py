@@ -311,6 +311,9 @@ def test_vllm_records_go_to_the_file_and_only_errors_to_the_console(tmp_path, ca
 
 
 def test_iteration_record_carries_sync_times_and_the_draft_lag():
+    from grpo_specdec.draft.learner import DraftRound
+    from grpo_specdec.job.learners import PolicyRound
+    from grpo_specdec.job.lifecycle import Published
     from grpo_specdec.job.metrics import iteration_record
     from grpo_specdec.job.rollout_worker import Rollout
 
@@ -326,9 +329,9 @@ def test_iteration_record_carries_sync_times_and_the_draft_lag():
         [rollout],
         {"generation": 1.0, "policy_update": 2.0, "draft_wait": 0.5, "sync": 0.25},
         {"policy": 5, "draft": 3},
-        {"policy_steps": 1},
-        {"draft_seconds": 0.4, "draft_trained_on_policy": 4},
-        {"policy": {"total_s": 0.2}},
+        PolicyRound(sequences=2, entropy=1.5, version=5, steps=1, means={"loss": 0.25}),
+        DraftRound(1, 0, 2, False, 0.4, 3, {"loss": 1.5}),
+        Published({"policy": {"total_s": 0.2}}, draft_trained_on_policy=4),
     )
     assert record["iteration_s"] == 3.75 and record["draft_train_s"] == 0.4
     assert record["tokens_per_s"] == 6.0 and record["response_length"] == 1.5
@@ -336,6 +339,9 @@ def test_iteration_record_carries_sync_times_and_the_draft_lag():
     assert record["draft_policy_lag"] == 1
     assert record["policy_sync_s"] == 0.2 and record["draft_sync_s"] == 0.0
     assert "draft_seconds" not in record
+    assert record["policy_loss"] == 0.25 and record["policy_steps"] == 1
+    assert record["draft_loss"] == 1.5 and record["draft_version"] == 3
+    assert "draft_swap_error" not in record
     assert record["draft_rollbacks"] == rollout.draft_rollbacks  # the engine's watch
 
 

@@ -45,7 +45,7 @@ def test_an_online_draft_learns_from_a_policy_module_and_is_pushed_into_vllm(
         rows = [p + list(g[0].token_ids) for p, g in zip(prompts, outputs, strict=True)]
         for _ in range(3):
             stats = draft.learn_from(policy, rows, [len(p) for p in prompts])
-        assert stats["draft_steps"] > 0 and math.isfinite(stats["draft_loss"])
+        assert stats.steps > 0 and math.isfinite(stats.means["loss"])
         assert draft.push(LLMClient(engine.llm)) == 3
         assert engine.weight_versions()["draft"] == 3
         assert _acceptance(engine, prompts) > 2 * bad + 0.05

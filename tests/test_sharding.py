@@ -48,7 +48,7 @@ def _batch(seed: int = 0) -> PolicyBatch:
 
 def _step(learner: PolicyLearner, seed: int = 0) -> dict:
     learner.prepare(_batch(seed))
-    return learner.update()
+    return learner.update().record()
 
 
 def _address() -> str:

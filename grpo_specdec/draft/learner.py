@@ -40,6 +40,30 @@ class DraftData:
         )
 
 
+@dataclass
+class DraftRound:
+    """What one round of training on a rollout did."""
+
+    steps: int  # optimiser steps taken; none: no new head, nothing to swap in
+    skipped_steps: int  # non-finite steps the trainer skipped since it began
+    sequences: int
+    rolled_back: bool  # the head diverged and went back to its last good state
+    seconds: float
+    version: int  # the newest head's version after this round
+    means: dict[str, float]  # each step statistic's mean over the round (loss terms, grad norm)
+
+    def record(self) -> dict:
+        """As the job's metrics records name them (`draft_*`)."""
+        counts = {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "sequences": self.sequences,
+            "rolled_back": self.rolled_back,
+            "version": self.version,
+        }
+        return {f"draft_{k}": v for k, v in (self.means | counts).items()}
+
+
 class DraftLearner:
     """Trains the head on each rollout's hidden states and numbers the heads it makes (the
     one owner of the draft version): `init` a head folder to continue from, else a new head
@@ -78,7 +102,7 @@ class DraftLearner:
             self.resumed_from = str(resume_from)
         self._last_good = copy.deepcopy(self.trainer.state_dict())
 
-    def train(self, *shards: DraftData, after_version: int = 0) -> dict:
+    def train(self, *shards: DraftData, after_version: int = 0) -> DraftRound:
         """Train on one rollout: the hidden states of every policy rank's shard.
         `after_version`: the newest draft version the job has issued. A learner that Ray
         restarted from an older checkpoint numbers its next weights above it, so that no
@@ -88,21 +112,27 @@ class DraftLearner:
         # The draft must predict with the embedding and lm_head the engine will pair it with.
         self.head.embed_weight = data.embed.to(self.device)
         self.head.lm_head_weight = data.lm_head.to(self.device)
-        stats = self.trainer.train(data.seqs, self.rng)
-        stats["sequences"] = len(data.seqs)
-        stats["rolled_back"] = not all(torch.isfinite(p).all() for p in self.head.parameters())
-        if stats["rolled_back"]:
+        means, steps = self.trainer.train(data.seqs, self.rng)
+        rolled_back = not all(torch.isfinite(p).all() for p in self.head.parameters())
+        if rolled_back:
             # Diverged despite the per-step guard: return to the last good state.
             skipped = self.trainer.skipped_steps
             self.trainer.load_state_dict(copy.deepcopy(self._last_good))
             self.trainer.skipped_steps = skipped
-            stats["steps"] = 0
-        if stats["steps"]:
+            steps = 0
+        if steps:
             self.version = max(self.version, after_version) + 1
             self.trained_on_policy = data.policy_version
             self._last_good = copy.deepcopy(self.trainer.state_dict())
-        stats["seconds"] = time.perf_counter() - start
-        return {f"draft_{k}": v for k, v in stats.items()} | {"draft_version": self.version}
+        return DraftRound(
+            steps,
+            self.trainer.skipped_steps,
+            len(data.seqs),
+            rolled_back,
+            time.perf_counter() - start,
+            self.version,
+            means,
+        )
 
     def export(self) -> tuple[dict[str, torch.Tensor], dict[str, str], int, int]:
         """(weights, metadata, draft version, policy version it was trained on)."""

@@ -3,7 +3,7 @@ the sequences it just rolled out (or their hidden states), and it keeps an EAGLE
 learning on them and pushes it into your vLLM engine through vLLM's weight-update API.
 
     draft = OnlineDraft("path/to/policy", head="path/to/head")   # or new="eagle3"
-    stats = draft.learn_from(policy_model, token_ids, prompt_lens)
+    stats = draft.learn_from(policy_model, token_ids, prompt_lens)   # a DraftRound
     draft.push(LLMClient(llm))     # or HTTPClient(url), RPCClient(...) (weight_transfer.py)
 
 The draft learner (`learner.py` `DraftLearner`, the job's own) does the training, with its
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from grpo_specdec.draft.capture import Sequence, capture_hidden
-from grpo_specdec.draft.learner import DraftData, DraftLearner
+from grpo_specdec.draft.learner import DraftData, DraftLearner, DraftRound
 from grpo_specdec.draft.trainer import DraftTrainConfig
 
 
@@ -64,7 +64,7 @@ class OnlineDraft:
         token_ids: list[list[int]],
         prompt_lens: list[int],
         batch_size: int = 8,
-    ) -> dict:
+    ) -> DraftRound:
         """Train on sequences (prompt + response ids, and each prompt's length) with the
         hidden states `policy` (a HF causal LM) gives them now, paired with its current
         embedding and lm_head: the ones the engine serves once the policy is pushed."""
@@ -87,10 +87,9 @@ class OnlineDraft:
         lm_head = policy.get_output_embeddings().weight.detach().cpu()
         return self.learn(seqs, embed, lm_head)
 
-    def learn(self, seqs: list[Sequence], embed: torch.Tensor, lm_head: torch.Tensor) -> dict:
+    def learn(self, seqs: list[Sequence], embed: torch.Tensor, lm_head: torch.Tensor) -> DraftRound:
         """Train on captured sequences (`hidden`, and `aux` for an EAGLE-3 head, filled),
-        with the policy's input embedding and lm_head weights. Returns the step statistics
-        (`draft_*`)."""
+        with the policy's input embedding and lm_head weights: what the round did."""
         if self.aux_layers and any(s.aux is None for s in seqs):
             raise ValueError(
                 f"the head reads the policy's layers {list(self.aux_layers)}: every sequence "

@@ -80,8 +80,11 @@ class DraftTrainer:
         stats["skipped"] = not ok
         return stats
 
-    def train(self, seqs: list[Sequence], rng: random.Random | None = None) -> dict:
-        """`epochs` shuffled passes over the sequences; returns the mean of the step stats."""
+    def train(
+        self, seqs: list[Sequence], rng: random.Random | None = None
+    ) -> tuple[dict[str, float], int]:
+        """`epochs` shuffled passes over the sequences: (each step statistic's mean over the
+        steps taken, the steps taken)."""
         rng = rng or random.Random(self.steps)
         usable = [s for s in seqs if len(s.token_ids) - s.prompt_len >= 1]
         totals: dict[str, float] = {}
@@ -97,8 +100,7 @@ class DraftTrainer:
                 for k, v in stats.items():
                     if isinstance(v, float):
                         totals[k] = totals.get(k, 0.0) + v
-        means = {k: v / count for k, v in totals.items()} if count else {}
-        return {**means, "steps": count, "skipped_steps": self.skipped_steps}
+        return ({k: v / count for k, v in totals.items()} if count else {}), count
 
     def state_dict(self) -> dict:
         return {

@@ -68,7 +68,8 @@ class _LearnAfterStep(TrainerCallback):
         stats = trainer.online_draft.learn_from(
             policy, [ids for ids, _ in rows], [n for _, n in rows]
         )
-        if trainer.draft_client is not None and stats["draft_steps"]:
+        if trainer.draft_client is not None and stats.steps:
             trainer.online_draft.push(trainer.draft_client(trainer))
-        numbers = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
-        trainer.log({f"draft/{k.removeprefix('draft_')}": float(v) for k, v in numbers.items()})
+        trainer.log(
+            {f"draft/{k.removeprefix('draft_')}": float(v) for k, v in stats.record().items()}
+        )

@@ -9,7 +9,7 @@ learner is draft/learner.py's; JobDraftLearner adds the job's resume.
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,6 +54,27 @@ class PolicyBatch:
                 batch.advantages.append(float(advantages[g, s]))
                 batch.informative.append(bool(informative[g]))
         return batch
+
+
+@dataclass
+class PolicyRound:
+    """What one policy update did, over the whole batch (every rank returns the same)."""
+
+    sequences: int  # those of informative groups: the surrogate's
+    entropy: float  # the rollout policy's mean token entropy at T = 1
+    version: int  # the policy's, after the update
+    steps: int = 0
+    means: dict[str, float] = field(default_factory=dict)  # the last epoch's loss terms, grad norm
+
+    def record(self) -> dict:
+        """As the job's metrics records name them (`policy_*`)."""
+        counts = {
+            "sequences": self.sequences,
+            "steps": self.steps,
+            "entropy": self.entropy,
+            "version": self.version,
+        }
+        return {f"policy_{k}": v for k, v in (self.means | counts).items()}
 
 
 def response_logprobs(
@@ -207,20 +228,20 @@ class PolicyLearner:
             return DraftData(seqs, None, None, self.version)
         return DraftData(seqs, embed.cpu(), lm_head.cpu(), self.version)
 
-    def update(self) -> dict:
+    def update(self) -> PolicyRound:
         """One GRPO step (per epoch) on the prepared rollout; groups without reward variance
         are skipped. Every rank returns the same statistics (of the whole batch)."""
         batch = self._batch
         chosen = [i for i, keep in enumerate(batch.informative) if keep]
-        stats = {"policy_sequences": len(chosen), "policy_steps": 0}
         entropy = self._entropy
         if self.world > 1:
             entropy = sharding.all_reduce_sums(entropy, list(entropy), self.device)
         # The rollout policy's mean token entropy at T = 1 over every response (verl's
         # actor/entropy): a sharpening policy's falls.
-        stats["policy_entropy"] = entropy["entropy_sum"] / max(entropy["entropy_tokens"], 1.0)
+        mean_entropy = entropy["entropy_sum"] / max(entropy["entropy_tokens"], 1.0)
+        done = PolicyRound(len(chosen), mean_entropy, self.version)
         if not chosen:
-            return stats
+            return done
         mine = [i for i in chosen if i in self._shard]
         self.model.train()
         total_tokens = sum(len(batch.token_ids[i]) - batch.prompt_lens[i] for i in chosen)
@@ -277,11 +298,11 @@ class PolicyLearner:
                     f"policy gradient norm is {float(norm)}; stopping before the weights change"
                 )
             self.opt.step()
-            stats.update({f"policy_{k}": v for k, v in sums.items()}, policy_grad_norm=float(norm))
-            stats["policy_steps"] += 1
+            done.means = sums | {"grad_norm": float(norm)}
+            done.steps += 1
         self.version += 1
-        stats["policy_version"] = self.version
-        return stats
+        done.version = self.version
+        return done
 
     def export_weights(self, dtype: str) -> dict[str, torch.Tensor] | None:
         """Weights under the checkpoint's names and dtype, as the engine's manifest expects,

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
 from grpo_specdec.draft.head import aux_layers_of
+from grpo_specdec.draft.learner import DraftRound
 from grpo_specdec.job.actors import Placement
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.checkpoints import replace_dir
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.job.engine_setup import engine_config, engine_seed, latency_profile
-from grpo_specdec.job.learners import PolicyBatch
+from grpo_specdec.job.learners import PolicyBatch, PolicyRound
 from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.job.sharding import shard
 from grpo_specdec.job.weight_sync import WeightSync
@@ -178,23 +179,21 @@ class Roles:
         )
         return Learning(self, shards, updates, draft_job, draft_version)
 
-    def publish(self, policy_stats: dict, draft_stats: dict, iteration: int) -> tuple[dict, dict]:
-        """The learners' new weights into every engine: (role -> load figures, what to add
-        to the draft's statistics)."""
-        sync, draft_facts = {}, {}
-        if policy_stats.get("policy_steps"):
+    def publish(self, policy: PolicyRound, draft: DraftRound | None, iteration: int) -> Published:
+        """The learners' new weights into every engine."""
+        done = Published()
+        if policy.steps:
             weights = self.policy_weights()
-            version = policy_stats["policy_version"]
-            sync["policy"] = self.weights.policy(weights, version, iteration, self.checkpoints)
-        if draft_stats.get("draft_steps"):
+            done.sync["policy"] = self.weights.policy(
+                weights, policy.version, iteration, self.checkpoints
+            )
+        if draft is not None and draft.steps:
             weights, *facts = self.draft.export.options(num_returns=4).remote()
             meta, version, trained_on = ray.get(facts)  # the weights stay in the object store
-            loaded, error = self.weights.draft(weights, version, meta, iteration)
-            if error is None:
-                sync["draft"], draft_facts["draft_trained_on_policy"] = loaded, trained_on
-            else:
-                draft_facts["draft_swap_error"] = error
-        return sync, draft_facts
+            loaded, done.draft_swap_error = self.weights.draft(weights, version, meta, iteration)
+            if done.draft_swap_error is None:
+                done.sync["draft"], done.draft_trained_on_policy = loaded, trained_on
+        return done
 
     def save(self, folder: Path) -> None:
         """The roles' part of a checkpoint: the policy (rank 0 writes it whole, gathered
@@ -214,6 +213,16 @@ class Roles:
 
 
 @dataclass
+class Published:
+    """What one publish loaded: role -> its load's figures; for the draft, the policy
+    version it learnt from, or why the engines refused it."""
+
+    sync: dict[str, dict] = field(default_factory=dict)
+    draft_trained_on_policy: int | None = None
+    draft_swap_error: str | None = None
+
+
+@dataclass
 class Learning:
     """One rollout being learned from: the policy ranks' updates and the draft's training."""
 
@@ -223,14 +232,15 @@ class Learning:
     draft_job: object | None
     draft_version: int  # the newest the job has issued
 
-    def policy(self) -> dict:
+    def policy(self) -> PolicyRound:
         return get_failing_fast(self.updates)[0]  # every rank returns the whole batch's
 
-    def draft(self, iteration: int, restart_timeout_s: float = 300.0) -> dict:
-        """The draft's training statistics; a learner that died meanwhile is restarted by
-        Ray from its last checkpoint and trains on this rollout again."""
+    def draft(self, iteration: int, restart_timeout_s: float = 300.0) -> DraftRound | None:
+        """What the draft's training did (None: no draft learns online); a learner that
+        died meanwhile is restarted by Ray from its last checkpoint and trains on this
+        rollout again."""
         if self.draft_job is None:
-            return {}
+            return None
         deadline = time.monotonic() + restart_timeout_s
         job = self.draft_job
         while True:

@@ -11,6 +11,9 @@ import torch
 from tqdm import tqdm
 
 from grpo_specdec.atomic_file import write_atomic
+from grpo_specdec.draft.learner import DraftRound
+from grpo_specdec.job.learners import PolicyRound
+from grpo_specdec.job.lifecycle import Published
 
 
 def iteration_record(
@@ -22,15 +25,14 @@ def iteration_record(
     per_engine: list,
     seconds: dict[str, float],
     versions: dict[str, int],
-    policy_stats: dict,
-    draft_stats: dict,
-    sync: dict[str, dict],
+    policy: PolicyRound,
+    draft: DraftRound | None,
+    published: Published,
 ) -> dict:
     """One iteration's metrics. `rewards`, `correct`: [prompt, sample]; `rollout`: the
-    engines' rollouts gathered; `seconds`: the iteration's phases; `sync`: role -> its
-    weight load's figures."""
+    engines' rollouts gathered; `seconds`: the iteration's phases; `draft`: None where no
+    draft learns online."""
     n_tokens = sum(len(x) for g in rollout.responses for x in g)
-    draft_stats = dict(draft_stats)
     record = {
         "iteration": iteration,
         "reward_mean": float(rewards.mean()),
@@ -40,7 +42,7 @@ def iteration_record(
         "response_length": n_tokens / rewards.numel(),
         "generation_s": seconds["generation"],
         "policy_update_s": seconds["policy_update"],
-        "draft_train_s": draft_stats.pop("draft_seconds", 0.0),
+        "draft_train_s": draft.seconds if draft is not None else 0.0,
         "draft_wait_s": seconds["draft_wait"],
         "sync_s": seconds["sync"],
         "iteration_s": sum(seconds.values()),
@@ -53,15 +55,18 @@ def iteration_record(
         "engine_policy_version": versions["policy"],
         "engine_draft_version": versions["draft"],
         "draft_rollbacks": rollout.draft_rollbacks,
-        **policy_stats,
-        **draft_stats,
+        **policy.record(),
+        **(draft.record() if draft is not None else {}),
     }
     if len(per_engine) > 1:
         record["engines"] = [part.summary() for part in per_engine]
-    if "draft_trained_on_policy" in record:
-        record["draft_policy_lag"] = versions["policy"] - record["draft_trained_on_policy"]
-    record["policy_sync_s"] = sync.get("policy", {}).get("total_s", 0.0)
-    record["draft_sync_s"] = sync.get("draft", {}).get("total_s", 0.0)
+    if published.draft_trained_on_policy is not None:
+        record["draft_trained_on_policy"] = published.draft_trained_on_policy
+        record["draft_policy_lag"] = versions["policy"] - published.draft_trained_on_policy
+    if published.draft_swap_error is not None:
+        record["draft_swap_error"] = published.draft_swap_error
+    record["policy_sync_s"] = published.sync.get("policy", {}).get("total_s", 0.0)
+    record["draft_sync_s"] = published.sync.get("draft", {}).get("total_s", 0.0)
     return record
 
 

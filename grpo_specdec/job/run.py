@@ -118,13 +118,14 @@ class Job:
             PolicyBatch.of(rollout, advantages, informative, self.cfg.rollout.temperature),
             self.draft_version,
         )
-        policy_stats = learning.policy()
+        policy = learning.policy()
         seconds["policy_update"] = lap()
-        draft_stats = learning.draft(self.iteration + 1)
-        self.draft_version = draft_stats.get("draft_version", self.draft_version)
+        draft = learning.draft(self.iteration + 1)
+        if draft is not None:
+            self.draft_version = draft.version
         seconds["draft_wait"] = lap()
 
-        sync, draft_facts = self.roles.publish(policy_stats, draft_stats, self.iteration + 1)
+        published = self.roles.publish(policy, draft, self.iteration + 1)
         seconds["sync"] = lap()
 
         versions = self.roles.weights.versions()
@@ -140,9 +141,9 @@ class Job:
             per_engine,
             seconds,
             versions,
-            policy_stats,
-            {**draft_stats, **draft_facts},
-            sync,
+            policy,
+            draft,
+            published,
         )
         return record | {"gen_batches": batches}
 
