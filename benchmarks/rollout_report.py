@@ -12,7 +12,7 @@ from benchmarks.common import ASSETS
 from grpo_specdec.bench.measure import speedup
 from grpo_specdec.bench.tail_shape import in_flight, tail_phase_s
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES
-from vllm_plugin.controller import conditional_from_cumulative
+from vllm_plugin.acceptance import conditional_from_cumulative
 
 TAIL_FRACTION = 0.1  # the tail phase: after all but this share of the requests finished
 FEW_IN_FLIGHT = 8  # "few sequences in flight": B at or below this

@@ -35,11 +35,11 @@ from grpo_specdec.simulate import (
     replay,
 )
 from grpo_specdec.tasks.arithmetic import make_problems
+from vllm_plugin.acceptance import FrozenAcceptance
 from vllm_plugin.compat import dense_k_table
 from vllm_plugin.controller import (
     NO_COST,
     FixedPolicy,
-    FrozenAcceptance,
     GoodputPolicy,
     LatencyModel,
     PaperPolicy,

@@ -23,16 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_plugin.acceptance import FrozenAcceptance, expected_tokens
 from vllm_plugin.controller import (
     NO_COST,
     FixedPolicy,
-    FrozenAcceptance,
     GoodputPolicy,
     LatencyModel,
     LinearCost,
     PaperPolicy,
     Policy,
-    expected_tokens,
     own_steps,
     profile_latency,
 )

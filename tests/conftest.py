@@ -384,9 +384,10 @@ def bare_scheduler(requests: dict | None = None):
     """The plugin's scheduler bookkeeping (`ConcurrencyAwareMixin`) over a stub of vLLM's
     Scheduler, with the state `_init_controller` gives it and vLLM's `requests`: for
     tests of what it counts, without an engine."""
-    from collections import Counter
+    from collections import Counter, deque
 
-    from vllm_plugin.controller import AcceptanceEstimator
+    from vllm_plugin.acceptance import AcceptanceEstimator
+    from vllm_plugin.goodput_controller import GoodputController
     from vllm_plugin.scheduler import ConcurrencyAwareMixin
 
     class Base:
@@ -400,7 +401,8 @@ def bare_scheduler(requests: dict | None = None):
         pass
 
     scheduler = Scheduler()
-    scheduler.acceptance, scheduler.draft_sources = AcceptanceEstimator(4), {}
+    scheduler.controller = GoodputController(None, AcceptanceEstimator(4), 8)
+    scheduler.draft_sources, scheduler.draft_events = {}, deque()
     scheduler.verified_by_source, scheduler.verified_before_eos = Counter(), Counter()
     scheduler.requests = requests or {}
     return scheduler

@@ -23,7 +23,7 @@ class StepCycle:
     def __init__(self):
         self.step = 0
 
-    def choose(self, batch_size: int, context: float | None = None) -> int:
+    def choose(self, batch_size: int, context: float | None = None, requests=()) -> int:
         self.step += 1
         return K_CYCLE[(self.step - 1) % len(K_CYCLE)]
 
@@ -55,7 +55,7 @@ def generate_under_the_step_cycle(engine, enabled: bool, prompts, sampling):
     skipped and positions caught up during the call."""
     free_k0.ENABLED = enabled
     scheduler = engine.scheduler()
-    scheduler.set_policy(StepCycle(), scheduler.new_acceptance())
+    scheduler.set_policy(StepCycle())
     engine.llm.reset_prefix_cache()
     before = np.array(kept_counts(engine))
     try:

@@ -11,11 +11,11 @@ from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import bare_scheduler, tiny_engine_config
 from vllm_plugin.controller import (
     FixedPolicy,
-    GoodputPolicy,
     HingeLatency,
     LatencyModel,
     LinearCost,
 )
+from vllm_plugin.goodput_controller import GoodputController
 from vllm_plugin.scheduler import K_METRIC, k_histogram, recent
 
 # A roofline whose knee sits at 8 tokens: deep drafts pay at B=1, none at B>=16.
@@ -66,12 +66,12 @@ def test_no_drafts_at_high_concurrency_and_deep_drafts_alone(aware_engine, quest
 
 def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, questions):
     scheduler = aware_engine.scheduler()
-    started_with = scheduler.policy, scheduler.acceptance
-    # Its own estimator, as each benchmark configuration starts: what earlier tests' drafts
+    started_with = scheduler.policy
+    # Its own controller, as each benchmark configuration starts: what earlier tests' drafts
     # taught the engine's (the tiny head alone on a prompt is accepted far more often on
     # some machines than on others) does not decide the first crowded steps.
-    fresh = scheduler.new_acceptance()
-    scheduler.set_policy(GoodputPolicy(LATENCY, fresh, aware_engine.cfg.max_num_seqs), fresh)
+    max_batch = aware_engine.cfg.max_num_seqs
+    scheduler.set_policy(GoodputController(LATENCY, scheduler.new_acceptance(), max_batch))
     mark = scheduler.steps_scheduled
     hist_before = _k_counts()
     prompts = (questions * 2)[:24]
@@ -83,7 +83,7 @@ def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, qu
             use_tqdm=False,
         )
     finally:
-        scheduler.set_policy(*started_with)
+        scheduler.set_policy(started_with)
     trace = scheduler.steps_since(mark)
     by_batch = {}
     for _, b, k, _ in trace:
@@ -111,21 +111,28 @@ def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, qu
     ]
 
 
-def test_policies_compared_on_one_engine_learn_into_their_own_estimators(aware_engine, questions):
+def test_controllers_compared_on_one_engine_learn_only_while_in_use(aware_engine, questions):
     scheduler = aware_engine.scheduler()
-    started_with = scheduler.policy, scheduler.acceptance
-    first, second = scheduler.new_acceptance(), scheduler.new_acceptance()
+    started_with = scheduler.policy
+    first, second = (
+        GoodputController(LATENCY, scheduler.new_acceptance(), 8, explore_share=0.0)
+        for _ in range(2)
+    )
     prompts, sampling = _fixed_length(2, questions, tokens=16)
     try:
-        scheduler.set_policy(FixedPolicy(2), first)
+        scheduler.set_policy(first)
         aware_engine.generate(prompts, sampling)
-        learnt = first.tried.copy()
-        scheduler.set_policy(FixedPolicy(2), second)
+        learnt, timed = first.acceptance.tried.copy(), first.costs.weights.copy()
+        scheduler.set_policy(FixedPolicy(2))
+        aware_engine.generate(prompts, sampling)
+        scheduler.set_policy(second)
         aware_engine.generate(prompts, sampling)
     finally:
-        scheduler.set_policy(*started_with)
-    assert learnt.any() and (first.tried == learnt).all()  # not fed by the second run
-    assert second.tried.any()
+        scheduler.set_policy(started_with)
+    assert learnt.any() and timed.any()  # drafts verified, steps timed
+    # not fed by the fixed policy's run nor the second controller's
+    assert (first.acceptance.tried == learnt).all() and (first.costs.weights == timed).all()
+    assert second.acceptance.tried.any() and second.costs.weights.any()
 
 
 def test_verifications_before_each_request_s_first_eos_are_counted_in_the_real_engine(
@@ -133,14 +140,14 @@ def test_verifications_before_each_request_s_first_eos_are_counted_in_the_real_e
 ):
     """vLLM's counts, less the verifications past an EOS the request ignores."""
     scheduler = aware_engine.scheduler()
-    started_with = scheduler.policy, scheduler.acceptance
+    started_with = scheduler.policy
     prompts, sampling = _fixed_length(4, questions, tokens=40)
     before = Counter(scheduler.verified_before_eos)
     try:
-        scheduler.set_policy(FixedPolicy(2), scheduler.new_acceptance())
+        scheduler.set_policy(FixedPolicy(2))
         res = aware_engine.generate(prompts, sampling)
     finally:
-        scheduler.set_policy(*started_with)
+        scheduler.set_policy(started_with)
     counted = scheduler.verified_before_eos - before
     eos = aware_engine.tokenizer.eos_token_id
     if any(eos in s.token_ids[:-1] for group in res.outputs for s in group):
@@ -166,12 +173,19 @@ def test_verifications_past_an_ignored_eos_are_left_out_of_the_before_eos_counts
             "stopping": request([5, 6], ignore_eos=False),
         }
     )
+    pool = scheduler.controller.acceptance
     scheduler.make_spec_decoding_stats(None, 3, 2, None, "before")
+    learnt = pool.tried.copy(), pool.accepted.copy()
     scheduler.make_spec_decoding_stats(None, 3, 1, None, "past")
+    # A draft past an ignored EOS leaves the controller's estimate as it was; it is that
+    # request's own evidence only.
+    assert (pool.tried == learnt[0]).all() and (pool.accepted == learnt[1]).all()
+    assert pool.requests["past"][0].tolist() == [1, 1, 0, 0]
     scheduler.make_spec_decoding_stats(None, 3, 3, None, "stopping")
     scheduler.make_spec_decoding_stats(None, 3, 0, {"gone": 3}, "gone")  # all invalid
     assert scheduler.verified_before_eos == {"drafts": 2, "accepted": 5}
     assert scheduler.verified_by_source == {MODEL: 3}  # every verification, as before
+    assert pool.tried[0] > learnt[0][0]  # the request that stops at EOS taught it
 
 
 class _Seen:
@@ -180,7 +194,7 @@ class _Seen:
     def __init__(self):
         self.asked = []
 
-    def choose(self, batch_size, context=None):
+    def choose(self, batch_size, context=None, requests=()):
         self.asked.append((batch_size, context))
         return 0
 
@@ -189,14 +203,14 @@ def test_the_policy_sees_the_running_requests_mean_context(aware_engine, questio
     """The context the attention term prices (LatencyModel.step_ms) is what vLLM's running
     requests hold: their prompt and output tokens, averaged, each step."""
     scheduler = aware_engine.scheduler()
-    started_with = scheduler.policy, scheduler.acceptance
+    started_with = scheduler.policy
     prompts = [aware_engine.encode(q) for q in questions[:2]]
     seen = _Seen()
     try:
         scheduler.set_policy(seen)
         aware_engine.generate(prompts, SamplingSettings(max_tokens=6, ignore_eos=True))
     finally:
-        scheduler.set_policy(*started_with)
+        scheduler.set_policy(started_with)
     prompt_mean = sum(map(len, prompts)) / 2
     # Step i (i = 0: prefill) schedules both requests, each holding its prompt and i tokens
     # then (vLLM reads the table once the step's tokens are scheduled).
@@ -329,3 +343,27 @@ def test_generate_cli_concurrency_aware(tiny_target, tiny_draft, profile_path, q
     spec = json.loads(out.read_text())["spec"]
     # three requests: deep drafts, all at most k_max = 4 tokens
     assert spec["drafts"] > 0 and max(int(k) for k in spec["draft_length_hist"]) <= 4
+
+
+def test_the_scheduler_times_its_steps_and_restarts_on_a_cache_reset(aware_engine, questions):
+    """Each decode step's time reaches the controller's costs (at the k it ran); a prefix
+    cache reset (every weight swap makes one) turns the acceptance evidence into a prior."""
+    scheduler = aware_engine.scheduler()
+    started_with = scheduler.policy
+    controller = GoodputController(LATENCY, scheduler.new_acceptance(), 8)
+    prompts, sampling = _fixed_length(2, questions, tokens=16)
+    try:
+        scheduler.set_policy(controller)
+        mark = scheduler.steps_scheduled
+        aware_engine.generate(prompts, sampling)
+        timed = controller.costs.weights.sum(axis=1)
+        ran = Counter(k for _, _, k, decode_only in scheduler.steps_since(mark) if decode_only)
+        assert timed.sum() > 0 and all(timed[k] > 0 for k in ran if ran[k] > 2)
+        for _ in range(200):
+            controller.acceptance.observe(4, 4)
+        aware_engine.llm.reset_prefix_cache()
+        assert controller.acceptance.evidence(0) == pytest.approx(
+            scheduler.controller_settings.acceptance_restart_weight
+        )
+    finally:
+        scheduler.set_policy(started_with)

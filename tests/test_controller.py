@@ -10,20 +10,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_plugin.controller import (
+from vllm_plugin.acceptance import (
     AcceptanceEstimator,
     FrozenAcceptance,
+    conditional_from_cumulative,
+    expected_tokens,
+)
+from vllm_plugin.controller import (
     GoodputPolicy,
     HingeLatency,
     LatencyModel,
     LinearCost,
     PaperPolicy,
-    conditional_from_cumulative,
-    expected_tokens,
     fit_attention,
     fit_latency,
     profile_latency,
 )
+from vllm_plugin.goodput_controller import GoodputController
 
 K_MAX = 6
 MAX_BATCH = 128
@@ -82,32 +85,6 @@ def test_goodput_prefers_deep_drafts_when_memory_bound_and_none_when_compute_bou
     assert policy.choose(10_000) == policy.choose(MAX_BATCH)
 
 
-def test_expected_tokens():
-    assert expected_tokens(np.array([0.5, 0.5])) == pytest.approx([1.0, 1.5, 1.75])
-    assert expected_tokens(np.array([1.0, 0.0, 1.0])) == pytest.approx([1.0, 2.0, 2.0, 2.0])
-
-
-def test_acceptance_estimator_learns_per_position_rates_and_decays_to_prior():
-    est = AcceptanceEstimator(3, prior=0.5, prior_weight=1.0, decay=0.5)
-    for _ in range(200):
-        est.observe(3, 3)  # all accepted
-        est.observe(3, 1)  # first accepted, second rejected
-    p = est.conditional()
-    assert p[0] == pytest.approx(1.0, abs=0.01)
-    assert p[1] == pytest.approx(0.5, abs=0.01)
-    assert p[2] == pytest.approx(1.0, abs=0.02)  # only the fully accepted drafts reached it
-    for _ in range(60):
-        est.step()
-    assert est.conditional() == pytest.approx([0.5, 0.5, 0.5], abs=1e-3)
-
-
-def test_acceptance_estimator_counts_only_positions_that_were_drafted():
-    est = AcceptanceEstimator(4, prior=0.5, prior_weight=1e-9)
-    est.observe(2, 2)  # a 2-token draft, both accepted: positions 0 and 1 only
-    assert est.tried.tolist() == [1, 1, 0, 0]
-    assert est.accepted.tolist() == [1, 1, 0, 0]
-
-
 @pytest.mark.parametrize(
     "batch,expected", [(1, 5), (8, 4), (16, 3), (32, 3), (64, 1), (100, 0), (160, 0)]
 )
@@ -136,20 +113,19 @@ def test_conditional_from_cumulative():
     assert conditional_from_cumulative([0.8, 0.4, 0.0, 0.0]) == pytest.approx([0.8, 0.5, 0.0, 0.0])
 
 
-def test_acceptance_collapse_turns_drafting_off_then_probes_again():
+def test_acceptance_collapse_turns_drafting_off_and_a_swap_lets_it_draft_again():
     latency = LatencyModel(
         HingeLatency(flat=30.0, slope=0.5, knee=0.0), LinearCost(base=4.0, per_seq=0.2)
     )
-    est = AcceptanceEstimator(4, prior=0.6, decay=0.97)
-    policy = GoodputPolicy(latency, est, MAX_BATCH)
-    assert policy.choose(1) > 0
-    for _ in range(50):  # the draft goes stale: nothing it proposes is accepted
-        est.observe(policy.choose(1) or 1, 0)
-        est.step()
-    assert policy.choose(1) == 0  # k = 0 rather than slowing the rollout down
-    for _ in range(200):  # no drafts, no evidence: the estimate drifts back to the prior
-        est.step()
-    assert policy.choose(1) > 0  # so drafting is tried again (e.g. after a draft hot-swap)
+    controller = GoodputController(latency, AcceptanceEstimator(4, prior=0.6), MAX_BATCH)
+    assert controller.choose(1) > 0
+    ks, _ = run_steps(controller, 1, [0.0] * 4, 300, latency)  # the draft goes stale
+    # k = 0 rather than slowing the rollout down, but for a probe every probe_interval
+    # steps: without evidence nothing fades, so there is no drift back to drafting ...
+    assert sum(k > 0 for k in ks[-64:]) <= 64 // controller.probe_interval
+    controller.restart()  # ... but after a weight swap it probes at once, and a head that
+    ks, _ = run_steps(controller, 1, [0.9] * 4, 100, latency)  # works is drafted again
+    assert ks[0] > 0 and min(ks[-50:]) > 0
 
 
 # The sampled-drafting profile measured on a 2-core Xeon (bfloat16 SmolLM2-135M + its head).
@@ -160,68 +136,71 @@ CPU_PROFILE = LatencyModel(
 )
 
 
-def run_steps(policy, est, batch, conditional, steps, seed=0):
+def run_steps(controller, batch, conditional, steps, latency, seed=0):
     """Run `steps` engine steps at `batch` sequences whose drafts are accepted position by
-    position with `conditional`: (the k of each step, the tokens each step made)."""
+    position with `conditional`, each step timed at `latency`'s price and reported back
+    as the scheduler reports it: (the k of each step, the tokens each step made)."""
     rng = np.random.default_rng(seed)
+    ids = [f"r{i}" for i in range(batch)]
     ks, tokens = [], []
     for _ in range(steps):
-        k = policy.choose(batch)
+        k = controller.choose(batch, None, ids)
         made = 0
-        for _ in range(batch):
+        for request in ids:
             accepted = 0
             while accepted < k and rng.random() < conditional[accepted]:
                 accepted += 1
             made += 1 + accepted
             if k:
-                est.observe(k, accepted)
-        est.step(batch)
+                controller.drafts_verified(request, k, accepted)
+        controller.step_timed(batch, k, None, float(latency.step_ms(batch, k)))
         ks.append(k)
         tokens.append(made)
     return ks, tokens
 
 
-def drafted_steps(policy, est, batch, conditional, steps, seed=0):
+def drafted_steps(controller, batch, conditional, steps, latency):
     """The share of `run_steps`' steps that drafted."""
-    ks, _ = run_steps(policy, est, batch, conditional, steps, seed)
+    ks, _ = run_steps(controller, batch, conditional, steps, latency)
     return sum(k > 0 for k in ks) / steps
 
 
 def test_k_zero_is_no_trap_where_the_prior_is_pessimistic():
     # On the measured profile a k = 1 step at B = 32 costs 1.62x a k = 0 step: at the prior
-    # 0.6 no k pays, so a controller planning on the estimate never drafts there and never
-    # learns that the head is accepted far more often than that.
-    trusting = AcceptanceEstimator(4, prior=0.6, optimism=0.0)
-    assert GoodputPolicy(CPU_PROFILE, trusting, 64).choose(32) == 0
-    assert (
-        drafted_steps(
-            GoodputPolicy(CPU_PROFILE, trusting, 64), trusting, 32, [0.86, 0.74, 0.55, 0.33], 100
-        )
-        == 0.0
+    # 0.6 no k pays, so a controller planning on the estimate, with no budget to probe,
+    # never drafts there and never learns that the head is accepted far more often.
+    truth = [0.86, 0.74, 0.55, 0.33]
+    trusting = GoodputController(
+        CPU_PROFILE, AcceptanceEstimator(4, prior=0.6, optimism=0.0), 64, explore_share=0.0
     )
-    # Planning on an upper bound, it probes, measures and keeps the k that pays (k = 2-3
-    # at 1.2x by the model, E[tokens] 2.50-2.85).
-    est = AcceptanceEstimator(4, prior=0.6)
-    policy = GoodputPolicy(CPU_PROFILE, est, 64)
-    assert policy.choose(32) > 0
-    assert drafted_steps(policy, est, 32, [0.86, 0.74, 0.55, 0.33], 100) > 0.95
-    assert policy.choose(32) in (2, 3)
-    assert est.conditional()[0] == pytest.approx(0.86, abs=0.05)
+    assert trusting.choose(32) == 0
+    assert drafted_steps(trusting, 32, truth, 100, CPU_PROFILE) == 0.0
+    # Planning on an upper bound and probing within its budget, it measures and keeps the
+    # k that pays (k = 2-3 at 1.2x by the model, E[tokens] 2.50-2.85).
+    controller = GoodputController(CPU_PROFILE, AcceptanceEstimator(4, prior=0.6), 64)
+    assert drafted_steps(controller, 32, truth, 100, CPU_PROFILE) > 0.95
+    assert controller.choose(32) in (2, 3)
+    assert controller.acceptance.conditional()[0] == pytest.approx(0.86, abs=0.05)
 
 
-def test_where_drafting_does_not_pay_probes_are_rare():
-    # The untrained head at T = 1 (acceptance ~0.35) at B = 64: after a probe the bound
-    # falls below what pays, and the next probe waits until the evidence has faded.
-    est = AcceptanceEstimator(4, prior=0.6)
-    policy = GoodputPolicy(CPU_PROFILE, est, 64)
-    share = drafted_steps(policy, est, 64, [0.35, 0.3, 0.3, 0.3], 2000)
-    assert 0 < share < 0.02
-    # and with evidence at hand the bound is the estimate
-    assert est.optimistic_conditional()[0] - est.conditional()[0] < 0.3
+def test_where_drafting_does_not_pay_probes_cost_at_most_their_budget():
+    # The untrained head at T = 1 (acceptance ~0.35) at B = 64: probing costs at most the
+    # budget's share of the modelled time.
+    latency = CPU_PROFILE
+    for share in (0.01, 0.05):
+        controller = GoodputController(
+            latency, AcceptanceEstimator(4, prior=0.6), 64, explore_share=share
+        )
+        ks, _ = run_steps(controller, 64, [0.35, 0.3, 0.3, 0.3], 2000, latency)
+        spent = float(latency.step_ms(64, np.asarray(ks)).sum())
+        at_k0 = 2000 * float(latency.step_ms(64, 0))
+        assert controller.probes > 0
+        # the first steps draft on the prior's optimism, before any evidence came back
+        assert spent <= (1 + share) * at_k0 + 5 * float(latency.step_ms(64, 4))
 
 
 def test_plenty_of_evidence_makes_the_bound_the_estimate():
-    est = AcceptanceEstimator(3, prior=0.6, decay=1.0, memory=math.inf)
+    est = AcceptanceEstimator(3, prior=0.6, memory=math.inf)
     for _ in range(10_000):
         est.observe(3, 1)
     assert est.optimistic_conditional() == pytest.approx(est.conditional(), abs=0.01)
@@ -438,8 +417,8 @@ FLAT_REGION = LatencyModel(
 def rollout(latency, batch, conditional, steps, seed=0):
     """A fresh controller's `run_steps`: (tokens per ms, tokens per ms of the best fixed k
     for this acceptance, the k chosen at each step)."""
-    est = AcceptanceEstimator(K_MAX)
-    ks, tokens = run_steps(GoodputPolicy(latency, est, 64), est, batch, conditional, steps, seed)
+    controller = GoodputController(latency, AcceptanceEstimator(K_MAX), 64)
+    ks, tokens = run_steps(controller, batch, conditional, steps, latency, seed)
     ms = float(latency.step_ms(batch, np.asarray(ks)).sum())
     k_all = np.arange(K_MAX + 1)
     best = max(batch * expected_tokens(np.asarray(conditional)) / latency.step_ms(batch, k_all))

@@ -20,7 +20,8 @@ from tests.conftest import (
     lossless_sampling,
     tiny_engine_config,
 )
-from vllm_plugin.controller import FrozenAcceptance, HingeLatency, LatencyModel, LinearCost
+from vllm_plugin.acceptance import FrozenAcceptance
+from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
 from vllm_plugin.group_drafter import GROUP, MODEL, GroupDrafter
 from vllm_plugin.settings import CONFIG_KEY
 from vllm_plugin.suffix_index import GroupHistory, GroupIndex
@@ -286,11 +287,11 @@ def test_group_drafts_keep_the_target_s_distribution_at_temperature_one(
 def sampled_hybrid_engine(tiny_target, tiny_reduced_draft, group_profile, tmp_path_factory):
     """Group drafts next to sampled model drafts of a head over a reduced vocabulary (the
     group's rows flagged one-hot to the rejection sampler), flattened so that the group's
-    drafts win some requests. The acceptance evidence fades fast (a few dozen drafts, a
-    few hundred steps), so that the model's drafts, which the group's beat, are tried again
-    within one short run: the test is of the two sources verified side by side."""
+    drafts win some requests. The acceptance evidence is short (a few dozen drafts), and
+    the controller probes a k it has not run for a while, so that the model's drafts,
+    which the group's beat, are tried again within one short run: the test is of the two
+    sources verified side by side."""
     controller = {**group_controller(group_profile), "acceptance_memory": 16}
-    controller["acceptance_decay"] = 0.99
     speculative = {
         "draft": flattened_head(tiny_reduced_draft, tmp_path_factory.mktemp("flat"), 0.3),
         "k": 4,

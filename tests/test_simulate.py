@@ -21,9 +21,9 @@ from grpo_specdec.simulate import (
     recommend_table,
     replay,
 )
+from vllm_plugin.acceptance import FrozenAcceptance
 from vllm_plugin.controller import (
     FixedPolicy,
-    FrozenAcceptance,
     GoodputPolicy,
     HingeLatency,
     LatencyModel,

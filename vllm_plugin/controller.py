@@ -23,10 +23,13 @@ G; the paper's rule and a fixed k sit behind the same interface.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 import numpy as np
+
+from vllm_plugin.acceptance import AcceptanceEstimator
 
 
 @dataclass(frozen=True)
@@ -215,123 +218,22 @@ def own_steps(rows: list[dict], draft_sampling: str) -> tuple[list[dict], list[d
     return [r for r in own if not r.get("long_context")], [r for r in own if r.get("long_context")]
 
 
-class AcceptanceEstimator:
-    """Conditional acceptance per draft position from fading counts.
-
-    Position i is tried when the i tokens before it were accepted. Estimates shrink
-    toward the previous position's (and position 0 toward `prior`), so positions that
-    were rarely tried borrow strength instead of jumping to 0 or 1.
-
-    Evidence fades two ways. Each verified draft fades the older ones by 1 - 1/`memory`,
-    so the estimate rests on about `memory` recent drafts whatever the concurrency: at
-    B = 1 as firmly as at B = 64. And every running sequence in every step fades all of
-    it by `decay`, so that where nothing is drafted the estimate drifts back toward the
-    prior and drafting is probed again (after a hot-swap, or when the text changes). A
-    fade per engine step (0.97) would leave a B = 1 tail about 33 drafts of evidence,
-    too few to tell an acceptance of 0.1 from the 0.14 where a draft pays on a Xeon
-    without bf16 (measured there: 0.82x of no speculation). Per
-    sequence, a probe at B brings B drafts and fading removes B times as much per step,
-    so probes take the same small share of steps at every B (tests/test_controller.py).
-
-    The controller plans on an upper confidence bound (`optimistic_tokens`), `optimism`
-    standard errors above each estimate, not on the estimate itself: k = 0 yields no
-    evidence, so a controller that trusts a pessimistic prior never learns that a
-    sharpened policy's draft would pay at large B (measured: a fresh estimator at the
-    prior 0.6 kept k = 0 at B = 32 where the head's acceptance was 0.86 and k = 2 paid
-    1.15x). With little evidence the bound is high, the step drafts and B sequences
-    report at once; with about `memory` drafts it is close to the estimate.
-    """
-
-    def __init__(
-        self,
-        k_max: int,
-        prior: float = 0.6,
-        prior_weight: float = 4.0,
-        decay: float = 0.9998,
-        optimism: float = 1.0,
-        memory: float = 512.0,
-    ):
-        self.k_max, self.prior, self.prior_weight, self.decay = k_max, prior, prior_weight, decay
-        self.optimism, self.memory = optimism, memory
-        self.tried = np.zeros(k_max)
-        self.accepted = np.zeros(k_max)
-        self.version = 0  # bumps when estimates change, so callers can cache
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        fade = 1.0 - 1.0 / self.memory
-        self.tried *= fade
-        self.accepted *= fade
-        tried = min(num_accepted + 1, num_draft_tokens, self.k_max)
-        self.tried[:tried] += 1
-        self.accepted[: min(num_accepted, self.k_max)] += 1
-        self.version += 1
-
-    def step(self, running: int = 1) -> None:
-        """Called once per engine step, with the number of sequences it ran."""
-        if self.tried.any():
-            fade = self.decay ** max(running, 1)
-            self.tried *= fade
-            self.accepted *= fade
-            self.version += 1
-
-    def conditional(self) -> np.ndarray:
-        p = np.empty(self.k_max)
-        previous = self.prior
-        for i in range(self.k_max):
-            p[i] = (self.accepted[i] + self.prior_weight * previous) / (
-                self.tried[i] + self.prior_weight
-            )
-            previous = p[i]
-        return p
-
-    def expected_tokens(self) -> np.ndarray:
-        return expected_tokens(self.conditional())
-
-    def optimistic_conditional(self) -> np.ndarray:
-        """Each position's estimate plus `optimism` standard errors of its evidence (the
-        decayed tries and the prior's weight), at most 1."""
-        p = self.conditional()
-        spread = np.sqrt(p * (1.0 - p) / (self.tried + self.prior_weight))
-        return np.minimum(p + self.optimism * spread, 1.0)
-
-    def optimistic_tokens(self) -> np.ndarray:
-        """E[tokens per step | k] under `optimistic_conditional`: what the controller plans on."""
-        return expected_tokens(self.optimistic_conditional())
-
-
-class FrozenAcceptance(AcceptanceEstimator):
-    """Known conditional acceptance that does not learn (offline tables, tests): no
-    uncertainty, so nothing to be optimistic about."""
-
-    def __init__(self, conditional):
-        super().__init__(len(conditional), optimism=0.0)
-        self._conditional = np.asarray(conditional, dtype=float)
-
-    def conditional(self) -> np.ndarray:
-        return self._conditional
-
-
-def conditional_from_cumulative(cumulative) -> np.ndarray:
-    """P(position i accepted | positions < i accepted) from P(positions <= i all accepted)."""
-    cumulative = np.asarray(cumulative, dtype=float)
-    previous = np.concatenate([[1.0], cumulative[:-1]])
-    return np.divide(cumulative, previous, out=np.zeros_like(cumulative), where=previous > 0)
-
-
-def expected_tokens(conditional: np.ndarray) -> np.ndarray:
-    """E[tokens per step | k] for k = 0..len(conditional)."""
-    return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(conditional))])
-
-
 class Policy(Protocol):
-    def choose(self, batch_size: int, context: float | None = None) -> int: ...
+    """Where a step's k comes from: the running batch's size, the requests' mean context and
+    their ids (for policies that price k on what each running request has shown)."""
+
+    def choose(
+        self, batch_size: int, context: float | None = None, requests: Sequence[str] = ()
+    ) -> int: ...
 
 
 class FixedPolicy:
     def __init__(self, k: int):
         self.k = k
 
-    def choose(self, batch_size: int, context: float | None = None) -> int:
+    def choose(
+        self, batch_size: int, context: float | None = None, requests: Sequence[str] = ()
+    ) -> int:
         return self.k
 
 
@@ -352,7 +254,9 @@ class PaperPolicy:
         self.c_peak, self.k_max, self.alpha = c_peak, k_max, alpha
         self.l_min, self.l_max, self.n_max = l_min, l_max, n_max
 
-    def choose(self, batch_size: int, context: float | None = None) -> int:
+    def choose(
+        self, batch_size: int, context: float | None = None, requests: Sequence[str] = ()
+    ) -> int:
         n_verify = min(int(self.c_peak // max(batch_size, 1)), self.n_max)
         if n_verify <= 1:
             return 0
@@ -391,5 +295,7 @@ class GoodputPolicy:
             self._key = (self.estimator.version, context)
         return self._table
 
-    def choose(self, batch_size: int, context: float | None = None) -> int:
+    def choose(
+        self, batch_size: int, context: float | None = None, requests: Sequence[str] = ()
+    ) -> int:
         return int(self.table(context)[min(max(batch_size, 1), self.max_batch) - 1])

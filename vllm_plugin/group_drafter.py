@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_plugin.controller import AcceptanceEstimator, LatencyModel
+from vllm_plugin.acceptance import AcceptanceEstimator
+from vllm_plugin.controller import LatencyModel
 from vllm_plugin.suffix_index import Draft, GroupHistory
 
 MODEL, GROUP = "model", "group"
@@ -227,7 +228,6 @@ class GroupDrafter:
         # Verified tokens are priced at the batch's mean context, as the controller prices k.
         mean_context = sum(len(p) + len(o) for _, p, o in rows) / batch if rows else None
         self.calibration.step()
-        self.model_acceptance.step(batch)
         model_expected = float(self.model_acceptance.expected_tokens()[k_model]) - 1.0
         # No group token whose chance is below what one more verified token costs can pay;
         # the index stops its drafts there (raw confidence over-states the chance).

@@ -7,7 +7,11 @@ Enable with `scheduler_cls="vllm_plugin.scheduler.ConcurrencyAwareScheduler"` (o
 It uses the scheduler's own dynamic-speculation hook: vLLM reads
 `dynamic_sd_lookup[batch_size]` once per step to get k (0 turns drafting off), so the
 lookup is replaced by the controller. Acceptance feeds back through
-`make_spec_decoding_stats`, which vLLM calls once per request that had drafts verified.
+`make_spec_decoding_stats`, which vLLM calls once per request that had drafts verified;
+what a step cost, through the time from its scheduling to its output
+(`update_from_output`). The controller's pooled evidence restarts when the prefix cache is
+reset (every weight swap of this project's lifecycle resets it) and when a new wave of
+requests outnumbers those running.
 """
 
 from __future__ import annotations
@@ -21,16 +25,12 @@ from collections import Counter, deque
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_plugin.acceptance import AcceptanceEstimator
 from vllm_plugin.compat import dense_k_table, is_registered
-from vllm_plugin.controller import (
-    AcceptanceEstimator,
-    FixedPolicy,
-    GoodputPolicy,
-    PaperPolicy,
-    Policy,
-)
+from vllm_plugin.controller import FixedPolicy, PaperPolicy, Policy
+from vllm_plugin.goodput_controller import GoodputController
 from vllm_plugin.group_drafter import MODEL
-from vllm_plugin.settings import ControllerSettings, load_latency
+from vllm_plugin.settings import ControllerSettings, find_latency, load_latency
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +70,27 @@ def build_policy(
     k_max = estimator.k_max
     if settings.policy == "fixed":
         return FixedPolicy(k_max if settings.fixed_k is None else min(settings.fixed_k, k_max))
-    latency = load_latency(settings, vllm_config)
     if settings.policy == "paper":
-        return PaperPolicy(latency.c_peak, k_max, alpha=settings.alpha)
-    return GoodputPolicy(latency, estimator, vllm_config.scheduler_config.max_num_seqs)
+        return PaperPolicy(load_latency(settings, vllm_config).c_peak, k_max, alpha=settings.alpha)
+    latency, missing = find_latency(settings, vllm_config)
+    if latency is None:
+        logger.warning(
+            "concurrency-aware speculation: %s. Starting without one: k = 0 until the "
+            "engine's own timed steps show a k that pays",
+            missing,
+        )
+    return GoodputController(
+        latency,
+        estimator,
+        vllm_config.scheduler_config.max_num_seqs,
+        explore_share=settings.explore_share,
+    )
 
 
 class _PolicyLookup:
     """Stands in for vLLM's dense batch-size -> k table; the policy also sees the running
-    requests' mean context (read as vLLM reads the table: once per step, after scheduling)."""
+    requests' mean context and ids (read as vLLM reads the table: once per step, after
+    scheduling)."""
 
     def __init__(self, policy: Policy, scheduler):
         self.policy, self.scheduler = policy, scheduler
@@ -86,7 +98,9 @@ class _PolicyLookup:
     def __getitem__(self, batch_size: int) -> int:
         running = self.scheduler.running  # vLLM rebinds the list as requests finish
         context = statistics.fmean(r.num_tokens for r in running) if running else None
-        return self.policy.choose(batch_size, context)
+        k = self.policy.choose(batch_size, context, [r.request_id for r in running])
+        self.scheduler.chosen = (batch_size, k, context)
+        return k
 
 
 def past_first_eos(request) -> bool:
@@ -154,7 +168,6 @@ class ConcurrencyAwareMixin:
             )
         check_engine(self.vllm_config, self.num_spec_tokens)
         self.controller_settings = ControllerSettings.of_engine(self.vllm_config)
-        self.acceptance = self.new_acceptance()
         # Which drafter made each request's pending drafts (patches/features/group_drafts_v0_32.py
         # says; without it every draft is the model's), so k is priced on the model's.
         self.draft_sources: dict[str, str] = {}
@@ -162,10 +175,18 @@ class ConcurrencyAwareMixin:
         # "drafts" (request-steps with drafts verified) and their "accepted" tokens, on text
         # before each request's first EOS: vLLM's counts less those past an ignored EOS.
         self.verified_before_eos: Counter = Counter()
-        self.set_policy(build_policy(self.controller_settings, self.acceptance, self.vllm_config))
+        self.set_policy(self.new_policy())
         # (monotonic time, running requests, k, decode-only step), one per step.
         self.step_trace: deque = deque(maxlen=self.controller_settings.trace_steps)
         self.steps_scheduled = 0  # keeps counting once the trace drops its oldest records
+        # (request id, output tokens before the draft, drafted, accepted, past first EOS) of
+        # every verified draft of the model, for the regime suite's traces.
+        self.draft_events: deque = deque(maxlen=self.controller_settings.trace_steps)
+        self.chosen: tuple | None = None  # (B, k, context) as the policy last chose
+        # Each scheduled step's (start, B, k, context, timed?) until its output comes.
+        self._pending_steps: dict[int, tuple] = {}
+        self._last_output_at = 0.0
+        self._untimed_steps = 0  # steps not to time (the first after a cache reset)
         self._k_metric = k_histogram().labels(
             model_name=self.vllm_config.model_config.served_model_name
         )
@@ -182,42 +203,85 @@ class ConcurrencyAwareMixin:
 
     def new_acceptance(self) -> AcceptanceEstimator:
         """An acceptance estimator at the configured prior, with no evidence yet."""
+        settings = self.controller_settings
         return AcceptanceEstimator(
             self.num_spec_tokens,
-            prior=self.controller_settings.acceptance_prior,
-            decay=self.controller_settings.acceptance_decay,
-            optimism=self.controller_settings.acceptance_optimism,
-            memory=self.controller_settings.acceptance_memory,
+            prior=settings.acceptance_prior,
+            optimism=settings.acceptance_optimism,
+            memory=settings.acceptance_memory,
+            restart_weight=settings.acceptance_restart_weight,
         )
 
-    def set_policy(
-        self, policy: Policy | list[int], acceptance: AcceptanceEstimator | None = None
-    ) -> None:
+    def new_policy(self) -> Policy:
+        """The configured policy in its starting state (a goodput controller with no
+        evidence and its profile uncorrected)."""
+        return build_policy(self.controller_settings, self.new_acceptance(), self.vllm_config)
+
+    def set_policy(self, policy: Policy | list[int]) -> None:
         """Change where k comes from, at run time: a policy, or a dense batch-size -> k
-        list exactly as vLLM builds from `num_speculative_tokens_per_batch_size`. With
-        `acceptance`, that estimator learns from the steps from now on (so policies
-        compared on one engine need not share what they learnt)."""
+        list exactly as vLLM builds from `num_speculative_tokens_per_batch_size`. Only a
+        goodput controller learns from the steps; each keeps its own state, so policies
+        compared on one engine share nothing they learnt."""
         self.policy = policy
-        if acceptance is not None:
-            self.acceptance = acceptance
+        self.controller = policy if isinstance(policy, GoodputController) else None
         self.dynamic_sd_lookup = policy if isinstance(policy, list) else _PolicyLookup(policy, self)
 
+    @property
+    def acceptance(self) -> AcceptanceEstimator | None:
+        """The acceptance estimate of the goodput controller in use (None without one)."""
+        return self.controller.acceptance if self.controller is not None else None
+
+    def _restart(self) -> None:
+        if self.controller is not None:
+            self.controller.restart()
+            self.controller.forget([r.request_id for r in self.running])
+        self._untimed_steps = 1
+
+    def reset_prefix_cache(self, *args, **kwargs):
+        # Every weight swap of this project's lifecycle resets the cache (its KV was
+        # computed by the old weights): what the draft's acceptance was is now a prior.
+        self._restart()
+        return super().reset_prefix_cache(*args, **kwargs)
+
     def schedule(self, *args, **kwargs):
+        running_before, start = len(self.running), time.monotonic()
+        self.chosen = None
         out = super().schedule(*args, **kwargs)
         if out.num_scheduled_tokens:
-            self.acceptance.step(len(out.num_scheduled_tokens))
+            batch = len(out.num_scheduled_tokens)
+            if out.scheduled_new_reqs and len(out.scheduled_new_reqs) >= running_before:
+                self._restart()  # a new wave: the requests before it do not speak for it
             k = out.num_spec_tokens_to_schedule
             decode_only = not out.scheduled_new_reqs and all(
                 n == 1 + len(out.scheduled_spec_decode_tokens.get(req, ()))
                 for req, n in out.num_scheduled_tokens.items()
             )
-            self.step_trace.append(
-                (time.monotonic(), len(out.num_scheduled_tokens), k, decode_only)
-            )
+            context = self.chosen[2] if self.chosen and self.chosen[0] == batch else None
+            timed = decode_only and self._untimed_steps == 0
+            self._untimed_steps = max(self._untimed_steps - 1, 0)
+            self._pending_steps[id(out)] = (start, batch, k, context, timed)
+            self.step_trace.append((time.monotonic(), batch, k, decode_only))
+            if self.controller is not None and len(self.controller.acceptance.requests) > 2 * (
+                self.max_num_running_reqs
+            ):
+                self.controller.forget([r.request_id for r in self.running])
             self.steps_scheduled += 1
             _ensure_registered(k_histogram())
             self._k_metric.observe(k)
         return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        now = time.monotonic()
+        step = self._pending_steps.pop(id(scheduler_output), None)
+        if step is not None and self.controller is not None:
+            start, batch, k, context, timed = step
+            if timed:
+                # From the later of its scheduling and the previous output (async
+                # scheduling schedules a step while the one before it runs) to its output.
+                ms = 1000.0 * (now - max(start, self._last_output_at))
+                self.controller.step_timed(batch, k, context, ms)
+        self._last_output_at = now
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         sources = getattr(draft_token_ids, "grpo_sources", None)
@@ -226,8 +290,8 @@ class ConcurrencyAwareMixin:
         # The model drafted these and a group draft was verified instead: for pricing k
         # the model's tokens were made and not used.
         for discarded in getattr(draft_token_ids, "grpo_model_discarded", None) or ():
-            if discarded:
-                self.acceptance.observe(discarded, 0)
+            if discarded and self.controller is not None:
+                self.controller.drafts_verified(None, discarded, 0)
         super().update_draft_token_ids(draft_token_ids)
 
     def make_spec_decoding_stats(
@@ -240,14 +304,23 @@ class ConcurrencyAwareMixin:
     ):
         invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)
         source = self.draft_sources.get(request_id, MODEL)
-        if num_draft_tokens - invalid > 0:
+        drafted = num_draft_tokens - invalid
+        if drafted > 0:
             self.verified_by_source[source] += 1
             request = self.requests.get(request_id)
-            if request is None or not past_first_eos(request):
+            before_eos = request is None or not past_first_eos(request)
+            if before_eos:
                 self.verified_before_eos["drafts"] += 1
                 self.verified_before_eos["accepted"] += num_accepted_tokens
-        if num_draft_tokens - invalid > 0 and source == MODEL:
-            self.acceptance.observe(num_draft_tokens - invalid, num_accepted_tokens)
+            if source == MODEL:
+                if self.controller is not None:
+                    self.controller.drafts_verified(
+                        request_id, drafted, num_accepted_tokens, before_eos
+                    )
+                position = request.num_output_tokens if request is not None else -1
+                self.draft_events.append(
+                    (request_id, position, drafted, num_accepted_tokens, not before_eos)
+                )
         return super().make_spec_decoding_stats(
             spec_decoding_stats,
             num_draft_tokens,

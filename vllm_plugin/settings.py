@@ -54,11 +54,21 @@ class ControllerSettings(BaseModel):
     fixed_k: int | None = Field(None, ge=0, description="k for the fixed policy (default: k_max)")
     alpha: float = Field(0.75, gt=0, description="paper policy: draft-quality constant")
     acceptance_prior: float = Field(0.6, gt=0, lt=1)
-    acceptance_decay: float = Field(
-        0.9998, gt=0, le=1, description="evidence kept per running sequence per engine step"
-    )
     acceptance_memory: float = Field(
-        512.0, gt=1, description="verified drafts the acceptance estimate rests on"
+        512.0, gt=1, description="verified drafts the pooled acceptance estimate rests on"
+    )
+    acceptance_restart_weight: float = Field(
+        32.0,
+        ge=0,
+        description="drafts' weight the pooled evidence keeps after a weight swap or at a "
+        "new wave of requests",
+    )
+    explore_share: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description="share of modelled step time the controller may spend probing a "
+        "deeper k than the one it predicts best",
     )
     acceptance_optimism: float = Field(
         1.0, ge=0, description="standard errors above the acceptance estimate k is chosen on"
@@ -217,7 +227,17 @@ def store_path(key: dict) -> Path:
 
 def load_latency(settings: ControllerSettings, vllm_config):
     """The latency model of the profile the settings name, or of the one stored for this
-    engine's model, dtype, draft and hardware."""
+    engine's model, dtype, draft and hardware; an error naming the command that makes one
+    where there is none."""
+    latency, missing = find_latency(settings, vllm_config)
+    if latency is None:
+        raise FileNotFoundError(missing)
+    return latency
+
+
+def find_latency(settings: ControllerSettings, vllm_config):
+    """(the latency model, None) as `load_latency`, or (None, why) where no profile is
+    stored for this engine: a profile named in the settings must exist."""
     from vllm_plugin.controller import profile_latency
 
     spec = vllm_config.speculative_config
@@ -230,13 +250,16 @@ def load_latency(settings: ControllerSettings, vllm_config):
     )
     path = Path(settings.profile) if settings.profile else store_path(key)
     if not path.is_file():
-        raise FileNotFoundError(
+        missing = (
             f"no latency profile at {path} for {key}; run `grpo-specdec profile --model "
             f"{vllm_config.model_config.model} --draft {spec.model if spec else 'DRAFT'}"
             f"{' --draft-sampling ' + spec.draft_sample_method if key.get('draft_sampling') else ''}"
             "` first, "
             f'or name a profile in additional_config["{CONFIG_KEY}"]["profile"]'
         )
+        if settings.profile:
+            raise FileNotFoundError(missing)
+        return None, missing
     profile = json.loads(path.read_text())
     check_engine_shape(profile, path, vllm_config)
-    return profile_latency(profile)
+    return profile_latency(profile), None

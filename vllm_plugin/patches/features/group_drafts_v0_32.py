@@ -50,7 +50,7 @@ def group_drafter(runner):
 
 
 def _build(runner):
-    from vllm_plugin.controller import AcceptanceEstimator
+    from vllm_plugin.acceptance import AcceptanceEstimator
     from vllm_plugin.group_drafter import GroupDrafter
     from vllm_plugin.settings import ControllerSettings, load_latency
 
@@ -78,7 +78,6 @@ def _build(runner):
         model_acceptance=AcceptanceEstimator(
             k_max,
             prior=settings.acceptance_prior,
-            decay=settings.acceptance_decay,
             memory=settings.acceptance_memory,
         ),
     )

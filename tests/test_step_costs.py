@@ -1,0 +1,82 @@
+"""Step costs learnt from the engine's own timed steps (vllm_plugin/step_costs.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_plugin.acceptance import AcceptanceEstimator
+from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
+from vllm_plugin.goodput_controller import GoodputController
+from vllm_plugin.step_costs import StepCosts
+
+PROFILE = LatencyModel(HingeLatency(20.0, 0.5, 0.0), LinearCost(0.7, 0.0), LinearCost(1.0, 0.1))
+K_MAX = 4
+
+
+def timed(costs: StepCosts, truth, steps: int, batches, ks, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        b, k = int(rng.choice(batches)), int(rng.choice(ks))
+        costs.observe(b, k, None, float(truth(b, k)) * float(np.exp(noise * rng.normal())))
+
+
+def test_a_profile_that_underprices_drafting_is_corrected_per_k():
+    # Sampling at T = 1 costs per verified token where the profile timed greedy steps:
+    # a k = 4 step dearer by 25%, a k = 0 step by 10%.
+    def truth(b, k):
+        return float(PROFILE.step_ms(b, k)) * (1.1 + 0.15 * k / K_MAX)
+
+    costs = StepCosts(PROFILE, K_MAX, 64)
+    timed(costs, truth, 4000, [1, 2, 4, 8, 16, 32, 64], range(K_MAX + 1), noise=0.1)
+    for b in (1, 8, 64):
+        want = [truth(b, k) for k in range(K_MAX + 1)]
+        assert costs.step_ms(b) == pytest.approx(want, rel=0.06)
+
+
+def test_a_noisy_step_moves_a_settled_price_by_a_bounded_factor():
+    costs = StepCosts(PROFILE, K_MAX, 64)
+    timed(costs, lambda b, k: float(PROFILE.step_ms(b, k)), 50, [8], [1])
+    before = costs.step_ms(8)[1]
+    costs.observe(8, 1, None, 50 * before)  # timed while something else had the machine
+    assert costs.step_ms(8)[1] < before * np.exp(0.5 / 2)  # one nudge, not a new price
+
+
+def test_prices_never_fall_with_k():
+    costs = StepCosts(PROFILE, K_MAX, 64)
+    costs.observe(4, 3, None, 5.0)  # a step at k = 3 timed absurdly cheap
+    assert (np.diff(costs.step_ms(4)) >= 0).all()
+
+
+def test_a_k_timed_at_some_batch_sizes_is_priced_at_the_others():
+    def truth(b, k):
+        return float(PROFILE.step_ms(b, k)) * (1.3 if k else 1.0)
+
+    costs = StepCosts(PROFILE, K_MAX, 64)
+    timed(costs, truth, 400, [2, 32], [0, 1])
+    assert costs.step_ms(8)[1] / float(PROFILE.step_ms(8, 1)) > 1.2
+
+
+def test_without_a_profile_the_engine_drafts_only_once_its_own_steps_show_it_pays():
+    """Started with no profile: k = 0 (the compute-bound prior prices no draft as paying),
+    then the probes time k = 1, 2, ... and it settles on the k a profiled engine runs."""
+    truth = LatencyModel(HingeLatency(25.0, 0.5, 0.0), LinearCost(1.0, 0.0), LinearCost(1.0, 0.0))
+    unprofiled = GoodputController(None, AcceptanceEstimator(K_MAX), 64)
+    profiled = GoodputController(truth, AcceptanceEstimator(K_MAX), 64)
+    rng = np.random.default_rng(0)
+    first = []
+    for _ in range(600):
+        for controller in (unprofiled, profiled):
+            k = controller.choose(2, None, ["a", "b"])
+            if controller is unprofiled:
+                first.append(k)
+            for request in ("a", "b"):
+                accepted = 0
+                while accepted < k and rng.random() < 0.8:
+                    accepted += 1
+                if k:
+                    controller.drafts_verified(request, k, accepted)
+            controller.step_timed(2, k, None, float(truth.step_ms(2, k)))
+    assert first[0] == 0  # no profile: no draft before a timed one
+    running = (2, None, ["a", "b"])
+    assert unprofiled.best(*running)[0] == profiled.best(*running)[0] > 1

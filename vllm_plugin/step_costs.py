@@ -1,0 +1,122 @@
+"""What a step costs, learnt from the engine's own steps. Plain Python, testable without vLLM.
+
+A profile (`grpo-specdec profile`) is timed once, greedy, on one machine state; the engine
+then samples at T = 0.7-1, shares the machine, and runs checkpoints the profile never saw.
+So the scheduler times each decode step (from its scheduling, or from the previous
+step's output if later, to its own output) and `StepCosts` corrects the profile's latency
+model where the engine runs, in log space, per k and per range of B (b = floor(log2 B)):
+
+    log ms(B, k, c) = log base(B, k, c) + correction[k, b]
+
+A cell's correction is the mean log-ratio of its recent steps (about `memory` of them),
+shrunk with `shrink` steps' weight toward what its neighbours say: k = 0 toward k = 0's
+mean over every range of B (what the machine does to every step: it is busier, the model
+another), and that toward the profile; a k > 0 toward the correction of k - 1 at the same
+B plus what one more draft token adds to it over every B, and that toward nothing (one
+more token costs as the profile says, or, with no profile, as much as each token before
+it). So a k timed at a few B is priced at every B, an untimed k like the one below it,
+and a cell with one noisy step moves little; once a cell holds `settled` steps, one more moves it by at most a factor
+e^`clip` from what it holds: a step timed while something else ran on the machine, or
+around a weight swap, is one bounded nudge, not a new price. Prices never fall with k (a
+step that drafts more does not cost less).
+
+With no profile the base is `UNPROFILED`, one unit per token, and an untimed k at B is
+priced as the k = 0 steps of B (k + 1) sequences were timed (the target's forward over
+as many tokens; the nearest B timed where that one was not): the k = 0 steps a rollout
+makes as its batch drains chart the roofline, and the controller's probes add what
+drafting itself costs. Before any step is timed no draft short of certain acceptance
+pays, so the engine starts at k = 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from vllm_plugin.controller import NO_COST, HingeLatency, LatencyModel
+
+UNPROFILED = LatencyModel(HingeLatency(flat=0.0, slope=1.0, knee=0.0), NO_COST)
+
+
+def bucket(batch: int) -> int:
+    return int(math.log2(max(int(batch), 1)))
+
+
+class StepCosts:
+    def __init__(
+        self,
+        base: LatencyModel | None,
+        k_max: int,
+        max_batch: int,
+        memory: float = 32.0,
+        shrink: float | None = None,
+        clip: float = 0.5,
+        settled: float = 2.0,
+    ):
+        self.base = base or UNPROFILED
+        self.profiled = base is not None
+        # A profile is a prior worth 8 steps a cell; the compute-bound guess, one.
+        self.shrink = shrink if shrink is not None else (8.0 if self.profiled else 1.0)
+        self.k_max, self.memory = k_max, memory
+        self.clip, self.settled = clip, settled
+        buckets = bucket(max_batch) + 1
+        # [k, b] faded sums of log-ratios (measured over base) and their weights.
+        self.sums = np.zeros((k_max + 1, buckets))
+        self.weights = np.zeros((k_max + 1, buckets))
+        self._ks = np.arange(k_max + 1, dtype=float)
+
+    def _bucket(self, batch: int) -> int:
+        return min(bucket(batch), self.sums.shape[1] - 1)
+
+    def measured(self, k: int, batch: int | None = None) -> float:
+        """Steps' weight behind the price of k at `batch` (None: at every B)."""
+        if batch is None:
+            return float(self.weights[k].sum())
+        return float(self.weights[k, self._bucket(batch)])
+
+    def corrections(self, batch: int) -> np.ndarray:
+        """correction[k, b] for every k at `batch`."""
+        shrink, sums, weights = self.shrink, self.sums, self.weights
+        b = self._bucket(batch)
+        per_k = np.zeros(self.k_max + 1)  # k's mean over every range of B
+        cell = np.zeros(self.k_max + 1)
+        for k in range(self.k_max + 1):
+            below = per_k[k - 1] if k else 0.0
+            per_k[k] = (sums[k].sum() + shrink * below) / (weights[k].sum() + shrink)
+            if k == 0:
+                toward = per_k[0]
+            elif self.profiled:
+                toward = cell[k - 1] + per_k[k] - per_k[k - 1]
+            else:
+                toward = self._k0_at(batch * (k + 1), per_k[0])
+            cell[k] = (sums[k, b] + shrink * toward) / (weights[k, b] + shrink)
+        return cell
+
+    def _k0_at(self, tokens: int, default: float) -> float:
+        """With no profile (a base of one unit per token), what a token costs in a k = 0
+        step of `tokens` sequences, as timed there or at the nearest B timed: a step that
+        verifies B (k + 1) tokens costs about what one of B (k + 1) sequences does."""
+        measured = np.flatnonzero(self.weights[0] > 0)
+        if not len(measured):
+            return default
+        b = measured[np.argmin(np.abs(measured - self._bucket(tokens)))]
+        return float(self.sums[0, b] / self.weights[0, b])
+
+    def step_ms(self, batch: int, context: float | None = None) -> np.ndarray:
+        """The predicted ms of a step at `batch` for every k = 0..k_max."""
+        base = np.asarray(self.base.step_ms(batch, self._ks, context), dtype=float)
+        return np.maximum.accumulate(base * np.exp(self.corrections(batch)))
+
+    def observe(self, batch: int, k: int, context: float | None, ms: float) -> None:
+        """One decode step that ran `batch` sequences at `k`, timed at `ms`."""
+        if ms <= 0 or not 0 <= k <= self.k_max:
+            return
+        b = self._bucket(batch)
+        held = float(self.corrections(batch)[k])
+        ratio = math.log(ms / float(self.base.step_ms(batch, k, context)))
+        if self.weights[k, b] >= self.settled:
+            ratio = min(max(ratio, held - self.clip), held + self.clip)
+        fade = 1.0 - 1.0 / self.memory
+        self.sums[k, b] = fade * self.sums[k, b] + ratio
+        self.weights[k, b] = fade * self.weights[k, b] + 1.0
