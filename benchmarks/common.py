@@ -30,6 +30,17 @@ STALE_NOTES = (
 )
 
 
+def fresh_controller(scheduler, latency, max_batch: int):
+    """A maker of our controller with nothing learnt, priced on `latency`, with the engine's
+    settings: each run of the configuration starts from it."""
+    from vllm_plugin.goodput_controller import GoodputController
+
+    share = scheduler.controller_settings.explore_share
+    return lambda: GoodputController(
+        latency, scheduler.new_acceptance(), max_batch, explore_share=share
+    )
+
+
 def protocol_args(ap, repeats: bool = True) -> None:
     """The measurement protocol's flags (grpo_specdec/bench/measure.py), the same in every
     benchmark: --repeats (timed rounds, each in a new shuffled order), --order-seed, and

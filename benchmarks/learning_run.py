@@ -37,6 +37,7 @@ from benchmarks.common import (
     ASSETS,
     ROOT,
     cli,
+    fresh_controller,
     protocol_args,
     quiet_machine,
     write_study,
@@ -99,7 +100,7 @@ def side_by_side(
     from grpo_specdec.job.engine_setup import engine_config, latency_profile
     from grpo_specdec.job.models import resolve_model
     from grpo_specdec.tasks.arithmetic import make_problems
-    from vllm_plugin.controller import FixedPolicy, GoodputPolicy, profile_latency
+    from vllm_plugin.controller import FixedPolicy, profile_latency
 
     cfg = load_yaml(TrainConfig, CONFIG, [])
     profile = latency_profile(cfg, resolve_model("smollm2"), initial_head, print)
@@ -124,19 +125,13 @@ def side_by_side(
         *_, exact, exact_per_request = replay_lengths(plain, (*workload, per_request), endings)
 
         def ours(e: Engine) -> Config:
-            acceptance = e.scheduler().new_acceptance()
-            return Config(e, GoodputPolicy(latency, acceptance, len(shape.prompts)), acceptance)
+            return Config(e, fresh_controller(e.scheduler(), latency, len(shape.prompts)))
 
         configs = {
             "no speculation": Config(plain),
             "ours, online head": ours(online),
             "ours, initial head": ours(initial),
-            **{
-                f"fixed k = {k}, online head": Config(
-                    online, FixedPolicy(k), online.scheduler().new_acceptance()
-                )
-                for k in FIXED_K
-            },
+            **{f"fixed k = {k}, online head": Config(online, FixedPolicy(k)) for k in FIXED_K},
         }
         # Equal tokens: each request made as long as the reference made it, EOS ignored.
         equal = run_protocol(
@@ -190,7 +185,7 @@ def reward_agreement(cfg, plain, ours, temperature: float) -> dict:
     sampling = SamplingSettings(
         n=REWARD_SAMPLES, temperature=temperature, max_tokens=cfg.rollout.max_tokens
     )
-    ours.engine.scheduler().set_policy(ours.policy, ours.acceptance)
+    ours.engine.scheduler().set_policy(ours.policy())
 
     def prompt_means(engine) -> list[float]:
         engine.llm.reset_prefix_cache()

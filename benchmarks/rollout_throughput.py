@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 
 from benchmarks.common import (
     ASSETS,
+    fresh_controller,
     load_json,
     protocol_args,
     quiet_machine,
@@ -60,16 +61,9 @@ from grpo_specdec.bench.tail_shape import tail_shape, tokens_after_eos
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES, recommend_table
 from grpo_specdec.tasks.arithmetic import make_problems
+from vllm_plugin.acceptance import conditional_from_cumulative
 from vllm_plugin.compat import dense_k_table
-from vllm_plugin.controller import (
-    AcceptanceEstimator,
-    FixedPolicy,
-    GoodputPolicy,
-    LatencyModel,
-    PaperPolicy,
-    conditional_from_cumulative,
-    profile_latency,
-)
+from vllm_plugin.controller import FixedPolicy, LatencyModel, PaperPolicy, profile_latency
 from vllm_plugin.patches.features import free_k0_v0_32
 from vllm_plugin.settings import hardware_name
 
@@ -96,11 +90,11 @@ OUTSIDE_PROMPTS = [
 @dataclass
 class Config:
     """One compared configuration: its engine and, on the speculative engine, where k
-    comes from and the acceptance estimator that only this configuration's runs feed."""
+    comes from: a policy, vLLM's dense batch-size -> k list, or a callable that makes a
+    fresh policy for every run (ours: a controller that has learnt nothing yet)."""
 
     engine: Engine
-    policy: object = None  # a Policy, or vLLM's dense batch-size -> k list
-    acceptance: AcceptanceEstimator | None = None
+    policy: object = None
     free_k0: bool = True  # False: steps with k = 0 run the draft pass, as vLLM ships it
     group: bool = False  # the engine drafts from the group's text; its state is reset per run
     with_history: bool = False  # ... and starts each run from an earlier rollout's answers
@@ -162,7 +156,7 @@ def run_config(
         out = run(config.engine, prompts, sampling, per_request)
     else:
         scheduler = config.engine.scheduler()
-        scheduler.set_policy(config.policy, config.acceptance)
+        scheduler.set_policy(config.policy() if callable(config.policy) else config.policy)
         mark, before_eos = scheduler.steps_scheduled, Counter(scheduler.verified_before_eos)
         free_k0_v0_32.ENABLED = config.free_k0
         try:
@@ -187,11 +181,9 @@ def group_configs(
     scheduler = hybrid.scheduler()
 
     def hybrid_config(with_history: bool) -> Config:
-        ours = scheduler.new_acceptance()
         return Config(
             hybrid,
-            GoodputPolicy(latency, ours, max_batch),
-            ours,
+            fresh_controller(scheduler, latency, max_batch),
             group=True,
             with_history=with_history,
         )
@@ -215,18 +207,13 @@ def sampled_configs(
     each with its own estimator, priced on the profile of sampled drafting; and ours next
     to drafts from the group's text (verified one-hot)."""
     scheduler = sampled.scheduler()
-    ours = scheduler.new_acceptance()
     configs = {
-        **{
-            f"sampled k={k}": Config(sampled, FixedPolicy(k), scheduler.new_acceptance())
-            for k in range(1, k_max + 1)
-        },
-        "sampled ours": Config(sampled, GoodputPolicy(latency, ours, max_batch), ours),
+        **{f"sampled k={k}": Config(sampled, FixedPolicy(k)) for k in range(1, k_max + 1)},
+        "sampled ours": Config(sampled, fresh_controller(scheduler, latency, max_batch)),
     }
     if sampled_hybrid is not None:
-        ours = sampled_hybrid.scheduler().new_acceptance()
-        policy = GoodputPolicy(latency, ours, max_batch)
-        configs["sampled ours + group"] = Config(sampled_hybrid, policy, ours, group=True)
+        policy = fresh_controller(sampled_hybrid.scheduler(), latency, max_batch)
+        configs["sampled ours + group"] = Config(sampled_hybrid, policy, group=True)
     return configs
 
 
@@ -252,14 +239,13 @@ def compared_configs(
 ) -> dict[str, Config]:
     scheduler = spec.scheduler()
 
-    def on_spec(policy, acceptance=None) -> Config:
-        return Config(spec, policy, acceptance or scheduler.new_acceptance())
+    def on_spec(policy) -> Config:
+        return Config(spec, policy)
 
-    ours = scheduler.new_acceptance()
     return {
         "no spec": Config(plain),
         "k=0 (draft loaded)": on_spec(FixedPolicy(0)),
-        "k=0, vLLM as shipped": Config(spec, FixedPolicy(0), scheduler.new_acceptance(), False),
+        "k=0, vLLM as shipped": Config(spec, FixedPolicy(0), False),
         **{f"k={k}": on_spec(FixedPolicy(k)) for k in range(1, k_max + 1)},
         "static table": on_spec(dense_k_table(table, max_batch, k_max)),
         **{
@@ -269,7 +255,7 @@ def compared_configs(
             )
         },
         "paper rule": on_spec(PaperPolicy(latency.c_peak, k_max)),
-        "ours": on_spec(GoodputPolicy(latency, ours, max_batch), ours),
+        "ours": on_spec(fresh_controller(scheduler, latency, max_batch)),
     }
 
 

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 from benchmarks.rollout_throughput import Config, run_config
 from grpo_specdec.profile import _time_steps
-from vllm_plugin.controller import AcceptanceEstimator, FixedPolicy
+from vllm_plugin.acceptance import AcceptanceEstimator
+from vllm_plugin.controller import FixedPolicy
+from vllm_plugin.goodput_controller import GoodputController
 from vllm_plugin.scheduler import ConcurrencyAwareMixin
 
 
@@ -18,7 +20,6 @@ class FakeScheduler(ConcurrencyAwareMixin):
     def __init__(self, trace_steps: int = 8):
         self.step_trace = deque([(0.0, 0, 0, False)] * trace_steps, maxlen=trace_steps)
         self.steps_scheduled = 1000
-        self.acceptance = AcceptanceEstimator(4)
         self.running = []  # vLLM's running requests: none here
         self.verified_before_eos = Counter()
         self.set_policy(FixedPolicy(0))
@@ -26,7 +27,7 @@ class FakeScheduler(ConcurrencyAwareMixin):
 
 class FakeEngine:
     """Generates in decode-only steps of 2 ms, one record per step, drafting k from the
-    scheduler's policy; one accepted draft token per step feeds the scheduler's estimator."""
+    scheduler's policy; one accepted draft token per step feeds the scheduler's controller."""
 
     def __init__(self):
         self.sched = FakeScheduler()
@@ -47,8 +48,8 @@ class FakeEngine:
             self.clock += 0.002
             self.sched.step_trace.append((self.clock, batch, k, True))
             self.sched.steps_scheduled += 1
-            if k:
-                self.sched.acceptance.observe(k, 1)
+            if k and self.sched.controller is not None:
+                self.sched.controller.drafts_verified(None, k, 1)
         return SimpleNamespace(
             wall_s=0.01,
             num_generated_tokens=5,
@@ -71,12 +72,18 @@ def test_profile_times_the_steps_of_its_run_in_a_full_trace():
 
 def test_benchmark_configurations_keep_their_own_state():
     engine = FakeEngine()
-    ours, other = AcceptanceEstimator(4), AcceptanceEstimator(4)
-    out = run_config(Config(engine, FixedPolicy(3), ours), ["q"] * 2, None)
+    made = []
+
+    def fresh():
+        made.append(GoodputController(None, AcceptanceEstimator(4), 8))
+        return made[-1]
+
+    out = run_config(Config(engine, FixedPolicy(3)), ["q"] * 2, None)
     assert [(b, k) for _, b, k in out["trace"]] == [(2, 3)] * 5  # this run's steps only
-    learnt = ours.tried.copy()
-    assert learnt.any()
-    run_config(Config(engine, FixedPolicy(1), other), ["q"] * 2, None)
-    assert (ours.tried == learnt).all() and other.tried.any()  # nothing learnt across
+    run_config(Config(engine, fresh), ["q"] * 2, None)
+    run_config(Config(engine, fresh), ["q"] * 2, None)
+    # each run of ours starts from a controller of its own, fed only by that run
+    assert len(made) == 2 and made[0] is not made[1]
+    assert engine.sched.policy is made[1] and made[0].steps == made[1].steps == 1
     run_config(Config(engine), ["q"], None)  # the plain engine's runs start clean as well
-    assert engine.prefix_cache_resets == 3
+    assert engine.prefix_cache_resets == 4

@@ -83,17 +83,21 @@ def compare_rollout(
     # placement groups, Ray waits for room for this engine for as long as it takes.
     started(plain, cfg.start_timeout_s, roles.placement.cfg)
     job_engine = roles.rollouts[0]
-    rows = {NO_SPEC: (plain, None), f"speculation: {speculation}": (job_engine, None)}
-    rows |= {f"fixed k = {k}": (job_engine, k) for k in cfg.fixed_k}
+    # Every round of the job's own speculation starts from its controller as training left
+    # it (what it learnt of this engine's costs and the head's acceptance), not from what
+    # its earlier rounds, or the fixed-k rounds between them, taught it.
+    saved = ray.get(job_engine.save_controller.remote())
+    rows = {NO_SPEC: (plain, {}), f"speculation: {speculation}": (job_engine, {})}
+    if saved:
+        rows[f"speculation: {speculation}"] = (job_engine, {"saved_controller": True})
+    rows |= {f"fixed k = {k}": (job_engine, {"fixed_k": k}) for k in cfg.fixed_k}
     workload = {"sampling": sampling, "per_request": per_request}
 
     def roll_out(name: str):
-        engine, fixed_k = rows[name]
+        engine, how = rows[name]
         ray.get(engine.forget_caches.remote())
         return ray.get(
-            engine.rollout.remote(
-                prompts, workload["sampling"], fixed_k=fixed_k, **workload["per_request"]
-            )
+            engine.rollout.remote(prompts, workload["sampling"], **how, **workload["per_request"])
         )
 
     def warm(name: str) -> None:
@@ -145,6 +149,7 @@ def summaries(timed, seed: int) -> dict[str, dict]:
                 for key in ("tokens", "wall_s", "tokens_per_s", "tail_s", "mean_acceptance_length")
             },
             "k_steps": per_run[-1]["k_steps"],
+            "k_by_batch": per_run[-1].get("k_by_batch", {}),
             "speedup": speedup(base_s, [run.wall_s for run in runs], seed=seed).to_dict(),
             "repeats": per_run,
             "others_cpu_share": timed.busy[name],
@@ -174,6 +179,10 @@ def comparison_table(runs: dict[str, dict], requests: str) -> str:
             f"{'-' if name in (NO_SPEC, NATURAL + NO_SPEC) else ratio['verdict']} | "
             f"{f'{max(busy):.0%}' if busy else 'not measured'} |"
         )
+    lines.append("\nSteps per k by running requests (B), in each row's last round:")
+    for name, v in runs.items():
+        if v.get("k_by_batch") and name not in (NO_SPEC, NATURAL + NO_SPEC):
+            lines.append(f"- {name}: {k_by_batch_text(v['k_by_batch'])}")
     repeats = len(runs[NO_SPEC]["repeats"])
     lines.append(
         f"\nMedians of {repeats} repeats, each configuration warmed on this workload first and "
@@ -189,6 +198,14 @@ def comparison_table(runs: dict[str, dict], requests: str) -> str:
             "natural-EOS run of the same repeat."
         )
     return "\n".join(lines)
+
+
+def k_by_batch_text(k_by_batch: dict[str, dict[str, int]]) -> str:
+    """ "B 32-63: k=0 x3, k=2 x11; B 1: ..." from largest B to smallest."""
+    ranges = sorted(k_by_batch.items(), key=lambda kv: -int(kv[0].split("-")[0]))
+    return "; ".join(
+        f"B {b}: " + ", ".join(f"k={k} x{n}" for k, n in ks.items()) for b, ks in ranges
+    )
 
 
 def what_is_compared(cfg: CompareSettings, prompts: int, group: int, max_tokens: int) -> str:

@@ -3,10 +3,26 @@ generations into a Rollout; `actors.py` wraps it for Ray."""
 
 from __future__ import annotations
 
+import copy
+from collections import Counter
 from dataclasses import dataclass, field
 
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, SpecCounters
 from vllm_plugin.controller import FixedPolicy
+
+
+def batch_range(batch: int) -> str:
+    """The power-of-two range of running requests a step falls in: "1", "2-3", "4-7", ..."""
+    low = 1 << (max(batch, 1).bit_length() - 1)
+    return str(low) if low == 1 else f"{low}-{2 * low - 1}"
+
+
+def k_by_batch(trace) -> dict[str, dict[str, int]]:
+    """Steps per k in each range of running requests, from scheduler trace records."""
+    counts: dict[str, Counter] = {}
+    for _, batch, k, _ in trace:
+        counts.setdefault(batch_range(batch), Counter())[str(k)] += 1
+    return {b: dict(sorted(c.items())) for b, c in counts.items()}
 
 
 @dataclass
@@ -24,6 +40,8 @@ class Rollout:
     # The engine's returns to a replaced draft head after this rollout's drafts showed the
     # head just swapped in had collapsed (draft_watch.py), as sentences.
     draft_rollbacks: list[str] = field(default_factory=list)
+    # Steps per k in each range of running requests ("4-7": {"0": 3, "2": 11}).
+    k_by_batch: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @staticmethod
     def gather(parts: list[Rollout]) -> Rollout:
@@ -57,6 +75,7 @@ class Rollout:
             "tokens_per_s": tokens / self.wall_s,
             "mean_acceptance_length": self.spec["mean_acceptance_length"],
             "k_steps": {str(k): n for k, n in sorted(self.k_steps.items())},
+            "k_by_batch": self.k_by_batch,
         }
 
 
@@ -67,9 +86,12 @@ def _joined(parts: list[Rollout], wall_s: float, finished_s: list[float]) -> Rol
     if parts[0].sources is not None:
         sources = {k: sum(p.sources[k] for p in parts) for k in parts[0].sources}
     k_steps: dict[int, int] = {}
+    by_batch: dict[str, Counter] = {}
     for part in parts:
         for k, n in part.k_steps.items():
             k_steps[k] = k_steps.get(k, 0) + n
+        for b, ks in part.k_by_batch.items():
+            by_batch.setdefault(b, Counter()).update(ks)
     return Rollout(
         [x for p in parts for x in p.prompt_ids],
         [x for p in parts for x in p.responses],
@@ -80,6 +102,7 @@ def _joined(parts: list[Rollout], wall_s: float, finished_s: list[float]) -> Rol
         sources,
         finished_s,
         [x for p in parts for x in p.draft_rollbacks],
+        {b: dict(sorted(c.items())) for b, c in by_batch.items()},
     )
 
 
@@ -89,6 +112,7 @@ class RolloutWorker:
         (a checkpoint's, after a resume), so later swaps and lags count on from them."""
         self.engine = Engine(EngineConfig.model_validate(engine_cfg))
         self.engine.declare_weight_versions(weight_versions)
+        self._saved = None  # the policy `save_controller` kept
 
     def rollout(
         self,
@@ -97,27 +121,35 @@ class RolloutWorker:
         seeds: list[int] | None = None,
         max_tokens: list[int] | list[list[int]] | None = None,
         fixed_k: int | None = None,
+        saved_controller: bool = False,
     ) -> Rollout:
         """`max_tokens`: one budget per prompt, or per sample (`Engine.generate`); `fixed_k`:
-        draft exactly k tokens every step of this rollout (the scheduler's policy and
-        acceptance estimator are put back after)."""
+        draft exactly k tokens every step of this rollout; `saved_controller`: run it with
+        a copy of the controller as `save_controller` kept it (the scheduler's own policy
+        is put back after either)."""
         scheduler = self._aware_scheduler()
         mark = scheduler.steps_scheduled if scheduler is not None else 0
         before = self.engine.group_draft_stats() if self.engine.cfg.speculative else None
         sampling = SamplingSettings.model_validate(sampling)
-        if fixed_k is None:
+        if fixed_k is None and not saved_controller:
             res = self.engine.generate(prompts, sampling, seeds=seeds, max_tokens=max_tokens)
         else:
-            if scheduler is None:
-                raise ValueError("fixed_k needs a concurrency-aware engine in this process")
-            policy, acceptance = scheduler.policy, scheduler.acceptance
-            scheduler.set_policy(FixedPolicy(fixed_k), scheduler.new_acceptance())
+            if scheduler is None or (fixed_k is None and self._saved is None):
+                raise ValueError(
+                    "fixed_k needs a concurrency-aware engine in this process, and "
+                    "saved_controller one whose save_controller ran"
+                )
+            policy = scheduler.policy
+            scheduler.set_policy(
+                FixedPolicy(fixed_k) if fixed_k is not None else copy.deepcopy(self._saved)
+            )
             try:
                 res = self.engine.generate(prompts, sampling, seeds=seeds, max_tokens=max_tokens)
             finally:
-                scheduler.set_policy(policy, acceptance)
+                scheduler.set_policy(policy)
+        trace = scheduler.steps_since(mark) if scheduler is not None else []
         k_steps: dict[int, int] = {}
-        for _, _, k, _ in scheduler.steps_since(mark) if scheduler is not None else []:
+        for _, _, k, _ in trace:
             k_steps[k] = k_steps.get(k, 0) + 1
         return Rollout(
             res.prompt_token_ids,
@@ -129,7 +161,17 @@ class RolloutWorker:
             before and _source_counts(before, self.engine.group_draft_stats()),
             res.finished_s,
             [res.draft_rollback.describe()] if res.draft_rollback else [],
+            k_by_batch(trace),
         )
+
+    def save_controller(self) -> bool:
+        """Keep a copy of the scheduler's policy as it is now (what it has learnt), for
+        rollouts that must each start from it (`saved_controller`); False where this engine
+        has no concurrency-aware scheduler in this process (nothing kept)."""
+        scheduler = self._aware_scheduler()
+        if scheduler is not None:
+            self._saved = copy.deepcopy(scheduler.policy)
+        return scheduler is not None
 
     def forget_caches(self) -> None:
         """Empty the prefix cache and the group drafter's history, so that the next rollout
