@@ -1,0 +1,88 @@
+"""The controller's regime suite (grpo_specdec/regimes.py, modelled): on every recorded
+trace (tests/data/regimes/, recorded by benchmarks/regime_traces.py on the project's own
+engine) and the synthetic non-stationary cases, on every profile we know, ours keeps up
+with the best fixed k and with k = 0 and stays near an oracle; an engine started without
+a profile catches up within a rollout. benchmarks/regime_suite.py prints the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.regime_suite import GOALS, K_MAX, TRACES, all_traces
+from grpo_specdec.regimes import (
+    Request,
+    cases,
+    known_costs,
+    no_profile_ratio,
+    request_runs,
+    run_case,
+    verdict,
+)
+from tests.conftest import ROOT
+
+TRACE_LIST = all_traces()
+PROFILES = known_costs(ROOT / "docs" / "assets")
+CASES = cases(TRACE_LIST, PROFILES)
+# Goals this controller misses today, as docs/benchmarks/regime_suite.md reports them:
+# strict, so that a change that meets one has to say so here.
+MISSED = {
+    "synthetic: bulk p=0.85, tail p=0.2, x10 | Xeon (AMX)": "0.947 of the oracle",
+    "end | EPYC (AVX512-BF16), costs 1.1-1.25x": "0.979 of k = 0",
+}
+NO_PROFILE_MISSED = {
+    "untrained_t1 | EPYC (AVX512-BF16)": 0.946,
+    "synthetic: bulk p=0.85, tail p=0.2, x10 | EPYC (AVX512-BF16)": 0.927,
+    "synthetic: p 0.85 -> 0.2 -> 0.85 across swaps | Xeon (AMX)": 0.865,
+    "synthetic: p 0.85 -> 0.2 -> 0.85 across swaps | EPYC (AVX512-BF16)": 0.905,
+    **{
+        f"{t} | GPU, Llama-3.1-8B (modelled)": ratio
+        for t, ratio in [
+            ("end", 0.914),
+            ("middle", 0.915),
+            ("past_eos", 0.674),
+            ("start", 0.816),
+            ("untrained_t1", 0.804),
+            ("synthetic: bulk p=0.85, tail p=0.2, x10", 0.916),
+            ("synthetic: p 0.85 -> 0.2 -> 0.85 across swaps", 0.808),
+        ]
+    },
+}
+
+
+def _case(trace, costs, missed: dict):
+    name = f"{trace.name} | {costs.name}"
+    marks = []
+    if name in missed:
+        marks = [pytest.mark.xfail(strict=True, reason=f"goal missed today: {missed[name]}")]
+    return pytest.param(trace, costs, id=name, marks=marks)
+
+
+def test_the_recorded_traces_are_there():
+    names = sorted(p.name for p in TRACES.glob("*.json.gz"))
+    assert names == sorted(
+        ["start.json.gz", "middle.json.gz", "end.json.gz", "untrained_t1.json.gz",
+         "past_eos.json.gz"]
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("trace, costs", [_case(t, c, MISSED) for t, c in CASES])
+def test_ours_keeps_up_in_every_regime(trace, costs):
+    ratios = verdict(run_case(trace, costs, K_MAX))
+    missed = {g: round(ratios[g], 3) for g, bound in GOALS.items() if ratios[g] < bound}
+    assert not missed, f"{trace.name} on {costs.name}: {missed} (goals {GOALS})"
+
+
+STARTS = [_case(t, c, NO_PROFILE_MISSED) for t in TRACE_LIST for c in PROFILES]
+
+
+@pytest.mark.parametrize("trace, costs", STARTS)
+def test_an_engine_without_a_profile_catches_up_within_a_rollout(trace, costs):
+    assert no_profile_ratio(trace, costs, K_MAX) >= 0.95
+
+
+def test_a_draft_covers_the_positions_it_made_and_a_whole_chain_goes_on():
+    # Position 1: 2 of 4 accepted (covers 1..3); position 4: 4 of 4 (covers 4..8 and goes
+    # on with the draft after it); position 9: 0 accepted.
+    runs = request_runs(Request(10, 10, None, [(1, 4, 2), (4, 4, 4), (9, 4, 0)]))
+    assert runs.tolist() == [2, 2, 1, 0, 4, 3, 2, 1, 0, 0]
+    # position 0 (the prefill's token) takes the next draft's value
