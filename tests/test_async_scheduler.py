@@ -21,6 +21,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.conftest import engine_kwargs, tiny_engine_config
+from vllm_plugin.goodput_controller import GoodputController
 from vllm_plugin.scheduler import AsyncConcurrencyAwareScheduler, ConcurrencyAwareScheduler
 
 K_MAX = 3
@@ -34,8 +35,7 @@ def scheduler(monkeypatch, tiny_target, tiny_draft):
     speculative = {
         "draft": tiny_draft,
         "k": K_MAX,
-        "concurrency_aware": True,
-        "controller": {"policy": "fixed"},
+        "concurrency_aware": True,  # the goodput controller, with no profile
     }
     cfg = tiny_engine_config(tiny_target, tiny_draft, speculative=speculative, max_num_seqs=8)
     config = EngineArgs(**engine_kwargs(monkeypatch, cfg)).create_engine_config()
@@ -83,6 +83,15 @@ def output(out: SchedulerOutput, accept: dict[str, int]) -> ModelRunnerOutput:
     )
 
 
+class Scripted(GoodputController):
+    """The goodput controller, fed by the scheduler as ever, drafting the k it is told."""
+
+    k = 0
+
+    def choose(self, batch_size, context=None, requests=()):
+        return self.k
+
+
 def test_async_scheduling_builds_the_async_variant_with_its_controller(scheduler):
     assert isinstance(scheduler, AsyncConcurrencyAwareScheduler)
     assert scheduler.num_spec_tokens == K_MAX
@@ -97,10 +106,11 @@ def test_k_changes_between_steps_and_acceptance_feeds_back(scheduler):
     for r in reqs:
         scheduler.add_request(r)
     ks = iter([2, 0, 3, 1, 3, 3, 0, 2] * 20)  # r0 accepts one draft at most, the others all
+    scripted = Scripted(None, scheduler.new_acceptance(), scheduler.max_num_running_reqs)
+    scheduler.set_policy(scripted)
 
     def next_step() -> SchedulerOutput:
-        k = next(ks)
-        scheduler.set_policy([0] + [k] * scheduler.max_num_running_reqs)
+        scripted.k = k = next(ks)
         out = scheduler.schedule()
         assert out.num_spec_tokens_to_schedule == (k if out.num_scheduled_tokens else K_MAX)
         return out
@@ -132,5 +142,5 @@ def test_k_changes_between_steps_and_acceptance_feeds_back(scheduler):
     assert scheduler.verified_before_eos["drafts"] == vllm_drafts
     assert scheduler.verified_before_eos["accepted"] == vllm_accepted
     # r0 accepts one draft at most: the second position's acceptance falls below the first's
-    conditional = scheduler.acceptance.conditional()
+    conditional = scripted.acceptance.conditional()
     assert 0 < conditional[1] < conditional[0] <= 1

@@ -39,7 +39,9 @@ def _aware_config(tiny_target, tiny_draft, profile_path, **overrides):
             "draft": tiny_draft,
             "k": K_MAX,
             "concurrency_aware": True,
-            "controller": {"profile": profile_path},
+            # These tests are of how k follows concurrency on a roofline they set; the tiny
+            # model's real steps, nearly free to draft on, would reprice it.
+            "controller": {"profile": profile_path, "learn_costs": False},
         },
         **overrides,
     )
@@ -71,7 +73,8 @@ def test_k_follows_concurrency_as_requests_finish(aware_engine, plain_engine, qu
     # taught the engine's (the tiny head alone on a prompt is accepted far more often on
     # some machines than on others) does not decide the first crowded steps.
     max_batch = aware_engine.cfg.max_num_seqs
-    scheduler.set_policy(GoodputController(LATENCY, scheduler.new_acceptance(), max_batch))
+    fresh = GoodputController(LATENCY, scheduler.new_acceptance(), max_batch, learn_costs=False)
+    scheduler.set_policy(fresh)
     mark = scheduler.steps_scheduled
     hist_before = _k_counts()
     prompts = (questions * 2)[:24]

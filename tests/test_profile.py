@@ -48,7 +48,7 @@ def test_scheduler_finds_the_profile_saved_for_dtype_auto(
         )
     )
     try:
-        assert engine.scheduler().policy.latency.c_peak == pytest.approx(
+        assert engine.scheduler().policy.costs.base.c_peak == pytest.approx(
             json.loads((tmp_path / "profile.json").read_text())["latency"]["c_peak"]
         )
     finally:

@@ -41,10 +41,12 @@ class GoodputController:
         explore_share: float = 0.01,
         probe_interval: int = 32,
         credit_steps: float = 200.0,
+        learn_costs: bool = True,
     ):
         self.acceptance, self.max_batch = acceptance, max_batch
         self.k_max = acceptance.k_max
         self.costs = StepCosts(latency, self.k_max, max_batch)
+        self.learn_costs = learn_costs
         self.explore_share, self.probe_interval = explore_share, probe_interval
         self.credit_steps = credit_steps
         self.credit_ms = 0.0
@@ -97,7 +99,8 @@ class GoodputController:
         self.acceptance.observe(drafted, accepted, request_id, before_eos)
 
     def step_timed(self, batch: int, k: int, context: float | None, ms: float) -> None:
-        self.costs.observe(batch, k, context, ms)
+        if self.learn_costs:
+            self.costs.observe(batch, k, context, ms)
 
     def restart(self) -> None:
         """The weights changed or a new wave of requests began: the pool's evidence becomes

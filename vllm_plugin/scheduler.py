@@ -84,6 +84,7 @@ def build_policy(
         estimator,
         vllm_config.scheduler_config.max_num_seqs,
         explore_share=settings.explore_share,
+        learn_costs=settings.learn_costs,
     )
 
 
@@ -317,7 +318,7 @@ class ConcurrencyAwareMixin:
                     self.controller.drafts_verified(
                         request_id, drafted, num_accepted_tokens, before_eos
                     )
-                position = request.num_output_tokens if request is not None else -1
+                position = len(request.output_token_ids) if request is not None else -1
                 self.draft_events.append(
                     (request_id, position, drafted, num_accepted_tokens, not before_eos)
                 )

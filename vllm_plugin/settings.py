@@ -70,6 +70,11 @@ class ControllerSettings(BaseModel):
         description="share of modelled step time the controller may spend probing a "
         "deeper k than the one it predicts best",
     )
+    learn_costs: bool = Field(
+        True,
+        description="time the engine's own steps and correct the profile's prices with "
+        "them; false: price every step as the profile says",
+    )
     acceptance_optimism: float = Field(
         1.0, ge=0, description="standard errors above the acceptance estimate k is chosen on"
     )
