@@ -40,6 +40,7 @@ NO_PROFILE_MISSED = {
             ("end", 0.914),
             ("middle", 0.915),
             ("past_eos", 0.674),
+            ("past_eos, then end (one controller)", 0.728),
             ("start", 0.816),
             ("untrained_t1", 0.804),
             ("synthetic: bulk p=0.85, tail p=0.2, x10", 0.916),

@@ -6,17 +6,18 @@ the scheduler (vllm_plugin/scheduler.py) and by the simulator's regime suite ali
 
 E_running is the running requests' own acceptance shrunk toward the pool's, at an upper
 confidence bound (`AcceptanceEstimator.running_tokens`); step_ms the profile corrected by
-the engine's timed steps (`StepCosts`). Evidence only comes from what is drafted, and nothing fades with time alone, so a k the
-controller has not run for `probe_interval` steps (with no profile, or never timed near
-this B) is probed
-on a budget: each step earns `explore_share` of its own predicted time, and a step drafts
-one token deeper than k* when the earned credit covers what that probe is predicted to
-lose (its time beyond k*'s for the same tokens, at the point estimate). So probing costs
-at most `explore_share` of modelled throughput, and where drafting never pays (an
-untrained head at T = 1) the controller loses no more than that. A restart (a weight swap,
-a new wave) makes every k due for a probe. With no profile, until a k has been timed
-`LEARNING_STEPS` times the budget to probe it is `LEARNING_SHARE` (10%): its first
-rollout is where such an engine learns its prices.
+the engine's timed steps (`StepCosts`).
+
+Evidence only comes from what is drafted, and nothing fades with time alone, so a k one
+token deeper than k* is probed when the controller has not run it for `probe_interval`
+steps (or, with no profile, has not timed it near this B), on a budget: each step earns
+`explore_share` of its own predicted time, and the probe runs when the earned credit
+covers what it is predicted to lose (its time beyond k*'s for the same tokens, at the
+point estimate). So probing costs at most `explore_share` of modelled throughput, and
+where drafting never pays (an untrained head at T = 1) the controller loses no more than
+that. A restart (a weight swap, a new wave) makes every k due for a probe. With no
+profile, until a k has been timed `LEARNING_STEPS` times its probes may spend
+`LEARNING_SHARE` (10%): the first rollout is where such an engine learns its prices.
 """
 
 from __future__ import annotations

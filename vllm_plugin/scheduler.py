@@ -260,6 +260,8 @@ class ConcurrencyAwareMixin:
             context = self.chosen[2] if self.chosen and self.chosen[0] == batch else None
             timed = decode_only and self._untimed_steps == 0
             self._untimed_steps = max(self._untimed_steps - 1, 0)
+            if len(self._pending_steps) > 8:  # outputs that never came (an engine reset)
+                self._pending_steps.clear()
             self._pending_steps[id(out)] = (start, batch, k, context, timed)
             self.step_trace.append((time.monotonic(), batch, k, decode_only))
             if self.controller is not None and len(self.controller.acceptance.requests) > 2 * (
