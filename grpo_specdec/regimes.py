@@ -202,13 +202,13 @@ def synthetic_traces(seed: int = 0) -> list[Trace]:
 
 @dataclass(frozen=True)
 class Costs:
-    """A profile as the suite uses it: what steps truly cost, and the model the controller
-    is given (None: no profile)."""
+    """A profile as the suite uses it: what steps truly cost, and the model fitted to them
+    that the controller is given (`ours(..., profiled=False)` starts one without it)."""
 
     name: str
     true_steps: MeasuredSteps | LatencyModel
     unprofiled: UnprofiledCosts
-    model: LatencyModel | None
+    model: LatencyModel
     scale: tuple[float, float] = (1.0, 1.0)  # true cost x scale[0] at k = 0 .. scale[1] at k_max
 
     def step_ms(self, batch: int, k: int, context: float, contexts, temperature, k_max) -> float:
@@ -218,12 +218,7 @@ class Costs:
         return ms * (self.scale[0] + share * (self.scale[1] - self.scale[0]))
 
     def prefill_ms(self, prompt_tokens: float) -> float:
-        model = self.model or (
-            self.true_steps if isinstance(self.true_steps, LatencyModel) else None
-        )
-        if self.unprofiled.prefill_ms_per_token is not None or model is None:
-            return (self.unprofiled.prefill_ms_per_token or 0.1) * prompt_tokens
-        return float(model.target(prompt_tokens))
+        return self.unprofiled.prefill_ms(self.model, prompt_tokens)
 
 
 def profile_costs(name: str, profile: dict) -> Costs:
@@ -367,7 +362,7 @@ def cases(traces: list[Trace], profiles: list[Costs]) -> list[tuple[Trace, Costs
     out = []
     for costs in profiles:
         out += [(trace, costs) for trace in traces]
-        if costs.model is not None and "GPU" not in costs.name:
+        if "GPU" not in costs.name:
             dearer = Costs(
                 f"{costs.name}, costs 1.1-1.25x",
                 costs.true_steps,

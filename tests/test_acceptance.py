@@ -46,7 +46,7 @@ def test_a_restart_keeps_the_estimate_at_a_weak_weight():
         est.observe(4, 0)
     est.restart()
     assert est.conditional()[0] < 0.1  # still low ...
-    assert est.evidence(0) == pytest.approx(32.0)  # ... at the weight of 32 drafts
+    assert est.tried[0] == pytest.approx(32.0)  # ... at the weight of 32 drafts
     for _ in range(64):  # one step of a wave of 64 requests whose drafts are accepted
         est.observe(4, 4)
     assert est.conditional()[0] > 0.6

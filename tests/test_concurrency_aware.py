@@ -365,7 +365,7 @@ def test_the_scheduler_times_its_steps_and_restarts_on_a_cache_reset(aware_engin
         for _ in range(200):
             controller.acceptance.observe(4, 4)
         aware_engine.llm.reset_prefix_cache()
-        assert controller.acceptance.evidence(0) == pytest.approx(
+        assert controller.acceptance.tried[0] == pytest.approx(
             scheduler.controller_settings.acceptance_restart_weight
         )
     finally:

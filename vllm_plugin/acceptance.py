@@ -145,10 +145,6 @@ class AcceptanceEstimator:
         if self.pool.cap(self.restart_weight):
             self.version += 1
 
-    def evidence(self, position: int) -> float:
-        """The pool's weight of evidence (drafts) at draft `position` (0-based)."""
-        return float(self.tried[position])
-
     def conditional(self, pool: _Pool | None = None) -> np.ndarray:
         """A pool's estimate (default: before EOS), each position shrunk toward the one
         before (position 0 toward `prior`), so that rarely tried positions borrow strength."""
