@@ -92,3 +92,10 @@ def test_expected_tokens():
     assert expected_tokens(np.array([1.0, 0.0, 1.0])) == pytest.approx([1.0, 2.0, 2.0, 2.0])
     rows = expected_tokens(np.array([[0.5, 0.5], [1.0, 0.0]]))
     assert rows.tolist() == [[1.0, 1.5, 1.75], [1.0, 2.0, 2.0]]
+
+
+def test_one_draft_token_engines_take_drafts_past_eos():
+    est = AcceptanceEstimator(1)
+    est.observe(1, 0, "a", before_eos=False)
+    est.observe(1, 1, "a", before_eos=False)
+    assert est.running_tokens(["a"]).shape == (2,)

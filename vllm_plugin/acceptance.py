@@ -118,7 +118,8 @@ class AcceptanceEstimator:
         if request_id is not None:
             own = self.requests.get(request_id)
             if own is None:
-                own = self.requests[request_id] = np.zeros((3, self.k_max))
+                # two columns at least: row 2 holds (drafts given, past its first EOS)
+                own = self.requests[request_id] = np.zeros((3, max(self.k_max, 2)))
         # A request's drafts weigh less in a pool the more it has given: the few requests
         # of a rollout's tail, hundreds of drafts each, would otherwise speak for the next
         # wave's bulk.
@@ -192,7 +193,7 @@ class AcceptanceEstimator:
         counts = np.stack(own)
         weight = self._request_weight(counts)
         p = np.empty((len(own), self.k_max))
-        past = counts[:, 2, 1] > 0 if self.k_max > 1 else np.zeros(len(own), dtype=bool)
+        past = counts[:, 2, 1] > 0
         shape = np.tile(pooled, (len(own), 1))
         if past.any():
             shape[past] = estimate(self.past_eos)
