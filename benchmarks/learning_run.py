@@ -51,7 +51,7 @@ ABLATION = ASSETS / "learning_ablation.json"
 # The side-by-side rollout: the tail shape at the size the demo's comparison uses.
 PROMPTS, GROUP, CAP, MEDIAN = 4, 8, 512, 128
 FIXED_K = (2,)
-NATURAL_REPEATS = 5
+NATURAL_REPEATS = 10  # the headline: lengths vary by chance from round to round
 REWARD_PROMPTS, REWARD_SAMPLES = 64, 8  # the reward agreement check
 # The held-out evaluation of the start and end policies by the CLI (its first 100 problems
 # are the job's).
@@ -152,7 +152,7 @@ def side_by_side(
                 name: (lambda c=c: run_config(c, shape.prompts, sampling, None, budgets))
                 for name, c in configs.items()
             },
-            repeats=max(args.repeats, NATURAL_REPEATS),
+            repeats=args.natural_repeats,
             seed=args.order_seed + 1,
             progress=lambda msg: print(f"{point}, natural EOS: {msg}", flush=True),
         )
@@ -211,6 +211,7 @@ def summary(timed) -> dict:
     paired by round."""
     from grpo_specdec.bench.measure import speedup
     from grpo_specdec.bench.tail_shape import tail_phase_s
+    from grpo_specdec.job.rollout_worker import k_by_batch
 
     makespans = {n: [max(r["finished_s"]) for r in runs] for n, runs in timed.runs.items()}
     base = makespans["no speculation"]
@@ -225,6 +226,9 @@ def summary(timed) -> dict:
             "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
             "mal_before_eos": statistics.median(r["mal_before_eos"] for r in runs),
             "k_steps": [dict(Counter(k for _, _, k in r.get("trace", ()))) for r in runs],
+            "k_by_batch": k_by_batch(
+                [(t, b, k, None) for r in runs for t, b, k in r.get("trace", ())]
+            ),
             "speedup": speedup(base, makespans[name]).to_dict(),
             "others_cpu_share": timed.busy[name],
         }
@@ -365,6 +369,8 @@ def _slope(ys: list[float], boot: int = 4000) -> tuple[float, float, float]:
 
 
 def report(data: dict) -> str:
+    from grpo_specdec.bench.compare import k_by_batch_text
+
     records, evals = data["training"]["records"], data["training"]["evals"]
     first, last = evals[0], evals[-1]
     slope, low, high = _slope([r["reward_mean"] for r in records])
@@ -469,6 +475,15 @@ def report(data: dict) -> str:
                     f"{sp['high']:.2f}] | {'-' if config == 'no speculation' else sp['verdict']} "
                     f"| {v['mal']:.2f} | {statistics.median(v['tokens_runs']):.0f} | {share} |"
                 )
+        histograms = [
+            f"- {name}, {config}: {k_by_batch_text(v['k_by_batch'])}"
+            for name, p in sorted(natural.items(), key=lambda kv: kv[1]["iteration"])
+            for config, v in p["natural"]["configs"].items()
+            if v.get("k_by_batch") and config != "no speculation"
+        ]
+        if histograms:
+            lines += ["", "Steps per k by range of running requests B, all natural-EOS rounds:"]
+            lines += ["", *histograms]
     agreement = {n: p["rewards"] for n, p in data.get("points", {}).items() if "rewards" in p}
     if agreement:
         lines += [
@@ -606,7 +621,14 @@ def main() -> None:
         help="which side-by-side rollouts to measure",
     )
     protocol_args(ap)
+    ap.add_argument(
+        "--natural-repeats",
+        type=int,
+        default=NATURAL_REPEATS,
+        help="timed natural-EOS rounds per point (at least --repeats)",
+    )
     args = ap.parse_args()
+    args.natural_repeats = max(args.natural_repeats, args.repeats)
     if args.report_only:
         data = json.loads(SAVED.read_text())
     else:
