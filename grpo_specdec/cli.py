@@ -10,6 +10,12 @@ from pathlib import Path
 from grpo_specdec.runtime import apply_runtime
 
 
+def ready_head(draft: str, target: str, field: str) -> str:
+    from grpo_specdec.draft.formats import ready_head as ready
+
+    return ready(draft, target, field, log=lambda msg: print(msg, file=sys.stderr))
+
+
 def _models_tiny(args) -> None:
     from grpo_specdec.assets.tiny import build_tiny
 
@@ -43,6 +49,7 @@ def _generate(args) -> None:
     prompts = read_prompts_file(args.prompts)
     speculative = None
     if args.draft:
+        args.draft = ready_head(args.draft, args.model, "--draft")
         speculative = {"draft": args.draft, "k": args.k, "draft_sampling": args.draft_sampling}
         if args.concurrency_aware:
             controller = {
@@ -90,7 +97,7 @@ def _draft_train(args) -> None:
         prompts=args.prompts,
         task=args.task,
         pairs=args.pairs,
-        init=args.init,
+        init=args.init and ready_head(args.init, args.target, "--init"),
         steps=args.steps,
         num_prompts=args.num_prompts,
         eval_prompts=args.eval_prompts,
@@ -123,7 +130,7 @@ def _profile(args) -> None:
 
     cfg = ProfileConfig(
         model=args.model,
-        draft=args.draft,
+        draft=ready_head(args.draft, args.model, "--draft"),
         draft_sampling=args.draft_sampling,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
@@ -515,14 +522,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What the `job` extra installs, by import name: the command line drives the job's side.
+JOB_EXTRA_MODULES = ("transformers", "yaml", "ray", "matplotlib", "math_verify", "datasets")
+
+
+def require_job_extra() -> None:
+    """Exit with the install command when the `job` extra is missing (a plugin-only install
+    has the package's modules but not what the job imports)."""
+    import importlib.util
+
+    missing = [m for m in JOB_EXTRA_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"grpo-specdec: error: the command line needs the job extra, which this install "
+            f"lacks (no {', '.join(missing)}): pip install 'grpo-specdec[job]'",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    require_job_extra()
     apply_runtime(argv)
     args = build_parser().parse_args(argv)
     from grpo_specdec.config import ConfigError
+    from grpo_specdec.job.restarts import JobStopped
 
     try:
         args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, JobStopped) as err:
         print(f"grpo-specdec: error: {err}", file=sys.stderr)
         sys.exit(2)

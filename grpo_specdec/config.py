@@ -63,7 +63,13 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             child = node.get(part)
             node[part] = dict(child) if isinstance(child, dict) else {}
             node = node[part]
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(
+                f"override {item!r}: the value {raw!r} of {key} is not valid YAML ({problem})"
+            ) from None
     return out
 
 

@@ -425,7 +425,7 @@ class Engine:
         return report
 
     def _send_weights(self, role: str, weights: dict, version: int, metadata: dict | None) -> dict:
-        from grpo_specdec.weight_transfer import (
+        from vllm_plugin.weight_transfer import (
             LLMClient,
             ShmTrainerEngine,
             ShmTrainerInitInfo,

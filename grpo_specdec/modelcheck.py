@@ -84,6 +84,16 @@ def draft_method(draft: str | Path) -> str:
 
 
 def check_draft_matches_target(draft: str | Path, target: str | Path) -> None:
+    from grpo_specdec.draft.formats import published_layout
+
+    layout = published_layout(draft)
+    if layout is not None:
+        raise ValueError(
+            f"draft: {draft} is a head as published ({layout}), not in the layout this project "
+            f"serves and trains: `grpo-specdec draft import --head {draft} --target {target} "
+            "--out DIR` converts it (generate, profile, draft train --init, the job's "
+            "model.draft and OnlineDraft import it themselves)"
+        )
     d = check_model_dir(draft, "draft")
     t = read_config(target, "model")
     arch = set(d.get("architectures") or [])

@@ -1,4 +1,5 @@
-"""The one place grpo_specdec and the benchmarks reach into vLLM 0.32.0's internals:
+"""The one place grpo_specdec and the benchmarks reach into vLLM's internals (0.32.0 and
+0.33.0, `vllm_plugin.compat.SUPPORTED_VERSIONS`, read in each):
 stopping one in-process engine while others in the process keep running, reaching an
 in-process engine's scheduler, re-reading the environment, and two functions of vLLM's
 speculative decoding that the benchmarks compare against.
@@ -11,15 +12,13 @@ when the internals named here change, and checks that no other module reaches in
 vLLM stops an in-process engine with `EngineCore.shutdown()`, which ends by tearing
 down the process-wide distributed state (`cleanup_dist_env_and_memory`) that every
 other in-process engine still uses; vLLM's finalizer runs the same when the client is
-collected. vLLM 0.32 has no public way to stop one engine only, so `stop_engine` does
+collected. vLLM 0.32 and 0.33 have no public way to stop one engine only, so `stop_engine` does
 the rest of `EngineCore.shutdown()` itself.
 """
 
 from __future__ import annotations
 
 import gc
-
-TARGET_VERSION = "0.32"
 
 
 def stop_engine(llm, others_alive: bool) -> None:

@@ -31,6 +31,12 @@ def pytest_configure(config) -> None:
     """Under xdist, worker N keeps to one core of this process's: vLLM's CPU threads (and
     every process a test starts, which inherits the mask) spin at their barriers, so two
     workers sharing both cores would keep stealing each other's step."""
+    expected = os.environ.get("EXPECT_VLLM")  # `make test-vllm033`: this vLLM or nothing
+    if expected:
+        import vllm
+
+        if vllm.__version__ != expected:
+            pytest.exit(f"EXPECT_VLLM={expected}, but vllm is {vllm.__version__}", returncode=3)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw"):
         cpus = sorted(os.sched_getaffinity(0))

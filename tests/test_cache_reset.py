@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from grpo_specdec.weight_transfer import (
+from vllm_plugin.weight_transfer import (
     CACHE_NOT_RESET,
     HTTPClient,
     RPCClient,

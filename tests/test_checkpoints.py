@@ -14,6 +14,7 @@ from grpo_specdec.job.checkpoints import (
     point_latest_at,
     replace_dir,
     resume_timeline,
+    staging_name,
 )
 
 QUIET = {"log": lambda _: None}
@@ -118,7 +119,7 @@ def test_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
     final = Checkpointer(root).write(3, 7, {}, save_roles)
     latest_at = events.index(("replace", str(root / "latest")))
     synced = {path for what, path in events[:latest_at] if what == "fsync"}
-    tmp = root / ".tmp_iter_000003"
+    tmp = root / staging_name("iter_000003")
     for path in ("", "policy", "policy/model.safetensors", "policy_state.pt", "state.json"):
         assert str(tmp / path).rstrip("/") in synced, path
     assert str(root) in synced  # the rename of the folder itself
@@ -161,7 +162,7 @@ def test_a_resume_s_copies_and_moves_reach_the_disk(tmp_path, monkeypatch):
         os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))
     )
     ckpt = resume_timeline(root, other / "iter_000001", log=lambda _: None)
-    assert str(root / ".tmp_iter_000001" / "policy" / "model.safetensors") in synced
+    assert str(root / staging_name("iter_000001") / "policy" / "model.safetensors") in synced
     assert str(root) in synced and ckpt == root / "iter_000001"
 
     Checkpointer(root, log=lambda _: None).write(2, 2, {}, _save_roles)

@@ -370,3 +370,38 @@ def test_the_scheduler_times_its_steps_and_restarts_on_a_cache_reset(aware_engin
         )
     finally:
         scheduler.set_policy(started_with)
+
+
+def test_the_engine_says_once_when_vllm_does_not_run_the_k_it_chose(
+    aware_engine, questions, monkeypatch, capsys
+):
+    """The k chosen sizes the drafts the next step verifies. With k changing as requests
+    finish the engine says nothing; when the drafts vLLM verifies are cut to one token
+    (what a vLLM that caps k would do), it says so once, naming both numbers."""
+    scheduler = aware_engine.scheduler()
+    started_with = scheduler.policy
+    monkeypatch.setattr(scheduler, "k_check", type(scheduler.k_check)())
+    prompts = (questions * 2)[:12]
+    sampling = [_sampling(4 + 3 * i) for i in range(len(prompts))]
+    inputs = [{"prompt_token_ids": aware_engine.encode(p)} for p in prompts]
+    mark = scheduler.steps_scheduled
+    aware_engine.llm.generate(inputs, sampling, use_tqdm=False)
+    assert len({k for _, _, k, _ in scheduler.steps_since(mark)}) > 1  # k changed
+    assert scheduler.k_check.seen is None and "did not run" not in capsys.readouterr().err
+
+    original = scheduler.update_draft_token_ids
+
+    def capped(draft_token_ids):
+        draft_token_ids.draft_token_ids = [d[:1] for d in draft_token_ids.draft_token_ids]
+        original(draft_token_ids)
+
+    monkeypatch.setattr(scheduler, "update_draft_token_ids", capped)
+    scheduler.set_policy(FixedPolicy(3))
+    try:
+        aware_engine.llm.generate(inputs[:2], [_sampling(40)] * 2, use_tqdm=False)
+        aware_engine.llm.generate(inputs[:2], [_sampling(40)] * 2, use_tqdm=False)
+    finally:
+        scheduler.set_policy(started_with)
+    assert scheduler.k_check.seen == (3, 1)
+    said = [line for line in capsys.readouterr().err.splitlines() if "did not run" in line]
+    assert len(said) == 1 and "at most 1 draft" in said[0] and "k = 3" in said[0], said

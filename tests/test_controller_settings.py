@@ -49,3 +49,33 @@ def test_settings_left_in_the_environment_are_refused_with_where_they_go(monkeyp
         ValueError, match=r"""additional_config=\{"grpo_specdec": \{"profile": "p.json"\}\}"""
     ):
         ControllerSettings.of_engine(SimpleNamespace(additional_config={}))
+
+
+def test_a_corrupt_or_foreign_profile_is_named_with_what_is_wrong(tmp_path):
+    from vllm_plugin.settings import read_profile
+
+    cut = tmp_path / "cut.json"
+    cut.write_text('{"latency": {"target": ')
+    with pytest.raises(ValueError, match=rf"^latency profile {cut}: not valid JSON \(line 1"):
+        read_profile(cut)
+    other = tmp_path / "other.json"
+    other.write_text('{"something": 1}')
+    with pytest.raises(ValueError, match=rf"^latency profile {other}: not a profile"):
+        read_profile(other)
+
+
+def test_the_job_names_a_corrupt_profile_before_its_engines_start(tmp_path):
+    from grpo_specdec.config import load_yaml
+    from grpo_specdec.job.config import TrainConfig
+    from grpo_specdec.job.engine_setup import latency_profile
+    from tests.conftest import TINY_JOB_CONFIG
+
+    cut = tmp_path / "cut.json"
+    cut.write_text("{")
+    cfg = load_yaml(
+        TrainConfig,
+        TINY_JOB_CONFIG,
+        ["rollout.speculation=concurrency_aware", f"rollout.controller.profile={cut}"],
+    )
+    with pytest.raises(ValueError, match=rf"^latency profile {cut}: not valid JSON"):
+        latency_profile(cfg, "policy", "draft", print)

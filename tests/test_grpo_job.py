@@ -252,7 +252,7 @@ def test_sigkill_mid_checkpoint_then_resume(tiny_target, tiny_draft, job_profile
                 pass
     assert returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
     ckpts = out / "checkpoints"
-    assert (ckpts / ".tmp_iter_000003").is_dir()  # the half-written one
+    assert [p.name.split(".p")[0] for p in ckpts.glob(".tmp_*")] == [".tmp_iter_000003"]
     assert latest_checkpoint(ckpts) == ckpts / "iter_000002"
     check_checkpoint(ckpts / "iter_000002")  # whole and loadable
     opt_at_kill = torch.load(ckpts / "iter_000002" / "policy_state.pt", weights_only=True)

@@ -204,3 +204,137 @@ def test_a_head_goes_out_in_the_dtype_it_came_in(tiny_target, tiny_draft, tmp_pa
     exported = head.export_state_dict(head.export_dtype())
     manifest = read_manifest(served)
     assert {k: v.dtype for k, v in exported.items()} == {k: m[1] for k, m in manifest.items()}
+
+
+# ---- heads handed over as published: every entry point imports them on the fly -------------
+
+
+def _published(layout, tiny_target, tiny_draft, tiny_reduced_draft, out) -> tuple[Path, str]:
+    """A head in `layout` as its authors publish it, and the native head it imports to."""
+    if layout.startswith("eagle1"):
+        return eagle1_published(tiny_target, tiny_draft, out, nested="nested" in layout), tiny_draft
+    speculators = layout == "speculators"
+    return eagle3_published(tiny_target, tiny_reduced_draft, out, speculators), tiny_reduced_draft
+
+
+@pytest.mark.parametrize("layout", ["eagle1", "eagle1-nested", "eagle3", "speculators"])
+def test_a_published_head_is_recognised_and_imported_once_into_the_cache(
+    layout, tiny_target, tiny_draft, tiny_reduced_draft, tmp_path, monkeypatch
+):
+    from grpo_specdec.draft.formats import published_layout, ready_head
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src, native = _published(layout, tiny_target, tiny_draft, tiny_reduced_draft, tmp_path / "s")
+    assert published_layout(native) is None
+    assert published_layout(src)
+    said = []
+    first = ready_head(src, tiny_target, "model.draft", said.append)
+    assert first.startswith(str(tmp_path / "cache")) and published_layout(first) is None
+    assert all(torch.equal(_native(first)[k], v) for k, v in _native(native).items())
+    made = (Path(first) / "model.safetensors").stat().st_mtime_ns
+    assert ready_head(src, tiny_target, "model.draft", said.append) == first
+    assert (Path(first) / "model.safetensors").stat().st_mtime_ns == made  # not imported again
+    assert len(said) == 2 and all(f"model.draft: {src} is a head as published" in m for m in said)
+    assert ready_head(native, tiny_target, "model.draft", said.append) == native
+    assert len(said) == 2
+
+
+def test_a_published_head_that_cannot_be_imported_is_refused_naming_the_field_and_import(
+    tiny_target, tiny_draft, tmp_path, monkeypatch
+):
+    from grpo_specdec.draft.formats import ready_head
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    biased = eagle1_published(tiny_target, tiny_draft, tmp_path / "biased", bias=0.01)
+    with pytest.raises(HeadFormatError) as err:
+        ready_head(biased, tiny_target, "--draft", print)
+    message = str(err.value)
+    assert message.startswith(f"--draft: {biased} is a head as published (")
+    assert "pytorch_model.bin" in message and "non-zero fc.bias" in message
+    assert "grpo-specdec draft import" in message
+    assert not list((tmp_path / "cache" / "grpo-specdec" / "imported-heads").iterdir())
+
+
+def test_an_engine_config_names_draft_import_for_a_published_head(
+    tiny_target, tiny_draft, tmp_path
+):
+    """What a Python user meets who builds the engine's config by hand."""
+    from tests.conftest import tiny_engine_config
+
+    src = eagle1_published(tiny_target, tiny_draft, tmp_path / "src")
+    with pytest.raises(ValueError, match=r"is a head as published \(a LlamaForCausalLM config, "):
+        tiny_engine_config(tiny_target, str(src))
+    with pytest.raises(ValueError, match="grpo-specdec draft import --head"):
+        tiny_engine_config(tiny_target, str(src))
+
+
+@pytest.mark.slow
+def test_generate_serves_published_heads_as_handed_over_greedy_equal(
+    tiny_target, tiny_draft, tiny_reduced_draft, tmp_path
+):
+    """`generate --draft` with an EAGLE-1 `.bin` head and an EAGLE-3 `midlayer` head, each as
+    published: the same tokens and acceptance as its native head (greedy)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 3 + 4?\nWhat is 12 - 5?\n")
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def generate(draft: str, name: str) -> tuple[dict, list]:
+        out = tmp_path / f"{name}.json"
+        proc = run_cli(
+            *("generate", "--model", tiny_target, "--draft", draft, "--prompts", str(prompts)),
+            *("--max-tokens", "24", "--json", str(out), "--dtype", "float32", "--eager"),
+            env=env,
+        )
+        result = json.loads(out.read_text())
+        tokens = [s["token_ids"] for group in result["outputs"] for s in group]
+        return (result["spec"]["accepted_tokens"], tokens), proc.stderr
+
+    for layout in ("eagle1", "eagle3"):
+        src, native = _published(
+            layout, tiny_target, tiny_draft, tiny_reduced_draft, tmp_path / layout
+        )
+        (got, said), (want, _) = generate(str(src), layout), generate(native, layout + "-native")
+        assert got == want, layout
+        assert f"--draft: {src} is a head as published" in said
+
+
+def test_the_job_imports_a_published_head_before_ray_and_refuses_one_that_does_not_fit(
+    tiny_target, tiny_reduced_draft, tmp_path, monkeypatch
+):
+    from grpo_specdec.config import load_yaml
+    from grpo_specdec.draft.head import load_head
+    from grpo_specdec.job import run
+    from grpo_specdec.job.config import TrainConfig
+    from tests.conftest import TINY_JOB_CONFIG
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    class RayWouldStart(Exception):
+        pass
+
+    def no_ray(*_):
+        raise RayWouldStart
+
+    monkeypatch.setattr(run, "start_ray", no_ray)
+    src = eagle3_published(tiny_target, tiny_reduced_draft, tmp_path / "src")
+    said = []
+    overrides = [f"model.policy={tiny_target}", f"model.draft={src}", f"out={tmp_path / 'run'}"]
+    with pytest.raises(RayWouldStart):
+        run.Job(load_yaml(TrainConfig, TINY_JOB_CONFIG, overrides), log=said.append)
+    imported = [m for m in said if "is a head as published" in m]
+    assert len(imported) == 1 and "midlayer.*" in imported[0] and "t2d" in imported[0]
+    folder = imported[0].split(" import in ")[1].split(" (")[0]
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    assert (
+        load_head(folder, tiny_target, target).export_state_dict().keys()
+        == _native(tiny_reduced_draft).keys()
+    )
+
+    wide = eagle3_published(tiny_target, tiny_reduced_draft, tmp_path / "wide")
+    cfg = _config(wide)
+    (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 4096}))
+    overrides[1] = f"model.draft={wide}"
+    with pytest.raises(ValueError, match=r"^model.draft: draft: .* is a head as published"):
+        run.Job(load_yaml(TrainConfig, TINY_JOB_CONFIG, overrides), log=said.append)

@@ -446,13 +446,35 @@ def test_the_job_profiles_batch_sizes_up_to_what_its_engine_holds():
 
 
 def test_each_engine_and_each_start_gets_its_own_sampling_seed():
-    """A restart or resume starts the engines on new streams, not on the first start's."""
+    """A resume at another version or a restart from the same checkpoint starts the engines
+    on new streams (the job's restart path: tests/reliability/test_job_faults.py)."""
     from grpo_specdec.job.engine_setup import engine_seed
 
-    seeds = {(e, v): engine_seed(0, e, v) for e in range(4) for v in (0, 3, 7)}
+    seeds = {
+        (e, v, n): engine_seed(0, e, v, n) for e in range(4) for v in (0, 3, 7) for n in (0, 1)
+    }
     assert len(set(seeds.values())) == len(seeds)
-    assert engine_seed(0, 1, 3) == engine_seed(0, 1, 3) != engine_seed(1, 1, 3)
+    assert engine_seed(0, 1, 3, 0) == engine_seed(0, 1, 3, 0) != engine_seed(1, 1, 3, 0)
     assert all(0 <= s < 1 << 31 for s in seeds.values())
+
+
+def test_a_fault_that_recurs_from_one_checkpoint_stops_the_job_and_a_new_checkpoint_resets():
+    from pathlib import Path
+
+    from grpo_specdec.job.restarts import JobStopped, RestartBudget
+
+    budget = RestartBudget(per_checkpoint=2, total=4)
+    first, second = Path("run/checkpoints/iter_000002"), Path("run/checkpoints/iter_000004")
+    budget.spend(first, "iteration 3: an actor died")
+    budget.spend(first, "iteration 3: an actor died")
+    budget.spend(second, "iteration 5: an actor died")  # a good stretch in between: counted anew
+    with pytest.raises(JobStopped, match=r"^iteration 3: .*after 2 restarts from run/check"):
+        budget.spend(first, "iteration 3: an actor died")
+    budget = RestartBudget(per_checkpoint=5, total=2)
+    budget.spend(None, "a")
+    budget.spend(first, "b")
+    with pytest.raises(JobStopped, match=r"^c, after 2 restarts in this run \(restarts.total\)"):
+        budget.spend(second, "c")
 
 
 def test_a_resume_with_bad_data_moves_no_checkpoint(tiny_target, tiny_draft, tmp_path, monkeypatch):

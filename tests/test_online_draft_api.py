@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from grpo_specdec.draft.online import OnlineDraft
 from grpo_specdec.engine import Engine, SamplingSettings
-from grpo_specdec.weight_transfer import LLMClient
 from tests.conftest import scrambled, tiny_engine_config
+from vllm_plugin.weight_transfer import LLMClient
 
 pytestmark = pytest.mark.slow
 

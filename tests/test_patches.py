@@ -1,4 +1,4 @@
-"""The vLLM 0.32 CPU patches: the expand-kernel fix, and how the plugin installs them
+"""The vLLM 0.32/0.33 CPU patches: the expand-kernel fix, and how the plugin installs them
 (the rejection sampler has its own tests in test_rejection_sampler.py)."""
 
 from __future__ import annotations
@@ -53,23 +53,49 @@ def test_sampled_speculation_follows_the_target(eagle_engine, plain_engine, ques
     assert sampled.spec["mean_acceptance_length"] > 1.5
 
 
-def test_patches_for_another_vllm_say_so_once(monkeypatch, caplog):
+def test_another_vllm_gets_one_console_line_and_no_patch(monkeypatch, caplog, capsys):
     import vllm
 
     import vllm_plugin
 
     monkeypatch.delenv("GRPO_SPECDEC_NO_PATCHES", raising=False)
-    monkeypatch.setattr(vllm, "__version__", "0.33.1")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
     monkeypatch.setattr(vllm_plugin, "PATCHED", [])
     monkeypatch.setattr(vllm_plugin, "SKIPPED", [])
+    monkeypatch.setattr(vllm_plugin, "SAID", set())
 
     def twice():
         vllm_plugin.register()
         vllm_plugin.register()
 
     lines = plugin_log_lines(caplog, logging.WARNING, twice)
-    assert all("vLLM 0.32.0" in line and "vLLM 0.33.1" in line for line in lines)
-    for name in ("cpu_expand_kernel_v0_32", "cpu_rejection_sample_v0_32"):
-        assert sum(f"patch {name} " in line for line in lines) == 1, lines
-    assert len(set(lines)) == len(lines)  # the second register() said nothing again
+    console = [line for line in capsys.readouterr().err.splitlines() if "grpo-specdec" in line]
+    assert len(lines) == len(console) == 1, (lines, console)  # the second register(): nothing
+    for said in (lines[0], console[0]):
+        assert "vLLM 0.34.0" in said and "0.32.0, 0.33.0" in said
+        assert "none of its patches" in said and "still runs" in said
     assert vllm_plugin.PATCHED == []
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0+cu130"])
+def test_a_supported_vllm_says_nothing_of_versions(version, monkeypatch, capsys):
+    import vllm
+
+    import vllm_plugin
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setattr(vllm_plugin, "SAID", set())
+    vllm_plugin.register()
+    assert "checked against" not in capsys.readouterr().err
+    assert not vllm_plugin.SAID
+
+
+def test_patches_turned_off_by_the_user_are_said_on_the_console(monkeypatch, capsys):
+    import vllm_plugin
+
+    monkeypatch.setenv("GRPO_SPECDEC_NO_PATCHES", "1")
+    monkeypatch.setattr(vllm_plugin, "SAID", set())
+    vllm_plugin.register()
+    vllm_plugin.register()
+    said = [line for line in capsys.readouterr().err.splitlines() if "grpo-specdec" in line]
+    assert len(said) == 1 and "GRPO_SPECDEC_NO_PATCHES=1 leaves vLLM unpatched" in said[0]

@@ -21,7 +21,6 @@ from vllm.v1.engine.core_client import InprocClient
 
 from grpo_specdec.engine import Engine, SamplingSettings
 from grpo_specdec.vllm_compat import (
-    TARGET_VERSION,
     in_process_scheduler,
     reread_environment,
     sample_draft_as_vllm,
@@ -59,9 +58,10 @@ def _parameters(function) -> list[str]:
     return list(inspect.signature(function).parameters)
 
 
-def test_vllm_is_the_version_the_adapter_targets():
-    assert vllm.__version__.startswith(TARGET_VERSION + ".")
-    assert vllm.__version__ == compat.TARGET_VERSION
+def test_vllm_is_a_version_the_adapter_was_checked_against():
+    from packaging.version import Version
+
+    assert Version(vllm.__version__).public in compat.SUPPORTED_VERSIONS
 
 
 def test_engine_core_shutdown_is_what_stop_engine_repeats_plus_the_process_teardown():

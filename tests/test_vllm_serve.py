@@ -192,7 +192,7 @@ def _status(url: str, method: str, headers: dict) -> int:
 def test_weights_swap_into_the_served_engine_only_with_the_token(server, tiny_target, questions):
     from safetensors.torch import load_file
 
-    from grpo_specdec.served import ServedWeights
+    from vllm_plugin.served_weights import ServedWeights
 
     for method in ("POST", "GET"):
         assert _status(server, method, {}) == 401
@@ -240,7 +240,7 @@ def _noisy(weights: dict, seed: int) -> dict:
 
 
 def test_the_swap_route_loads_only_files_in_the_private_swap_folder(server, tiny_target):
-    from grpo_specdec.served import ServedWeights
+    from vllm_plugin.served_weights import ServedWeights
     from vllm_plugin.swap_folder import swap_folder
 
     served_file = Path(tiny_target) / "model.safetensors"
@@ -260,7 +260,7 @@ def test_the_swap_route_loads_only_files_in_the_private_swap_folder(server, tiny
 def test_a_timed_out_swap_leaves_no_file_and_a_whole_engine(server, tiny_target, questions):
     from safetensors.torch import load_file
 
-    from grpo_specdec.served import ServedWeights
+    from vllm_plugin.served_weights import ServedWeights
     from vllm_plugin.swap_folder import swap_folder
 
     original = load_file(Path(tiny_target) / "model.safetensors")
@@ -289,7 +289,7 @@ def test_requests_in_flight_during_a_swap_use_no_kv_of_the_old_weights(
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from grpo_specdec.served import ServedWeights
+    from vllm_plugin.served_weights import ServedWeights
 
     client = OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
     weights = ServedWeights(server, API_KEY)
@@ -341,7 +341,7 @@ def test_a_served_engine_with_mixed_weights_refuses_completions_until_that_role_
     import openai
     from safetensors.torch import load_file
 
-    from grpo_specdec.served import ServedWeights
+    from vllm_plugin.served_weights import ServedWeights
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
     weights = ServedWeights(server, API_KEY)
@@ -387,7 +387,7 @@ def _push_draft(url: str, weights: dict, version: int) -> None:
     sending a head over vLLM's RL routes with its HTTP client."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from grpo_specdec.weight_transfer import HTTPClient, ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weight_transfer import HTTPClient, ShmTrainerInitInfo, StateDictSource
 
     sender = WeightTransferTrainerFactory.trainer_init(
         ShmTrainerInitInfo(rank=0, draft=True),
@@ -430,7 +430,7 @@ def test_vllms_http_client_pushes_a_draft_through_vllms_rl_routes(
     import requests
     from safetensors.torch import load_file
 
-    from grpo_specdec.served import ServedWeights
+    from vllm_plugin.served_weights import ServedWeights
 
     trained = load_file(Path(tiny_draft) / "model.safetensors")
     versions = ServedWeights(server, API_KEY)

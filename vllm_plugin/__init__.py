@@ -3,7 +3,7 @@
 `register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process
 it starts. It registers the `grpo_shm` weight-transfer backend (`shm_transfer`). Features
 (the concurrency-aware scheduler, the weight-swap extension, that backend) are opt-in by
-configuration. What it does unasked is patch vLLM 0.32 (see `patches/`, one
+configuration. What it does unasked is patch vLLM 0.32 and 0.33 (see `patches/`, one
 module each, bugs of vLLM's in `fixes/`, what this project adds in `features/`): on CPU, sampled speculative decoding that was not lossless and cost too
 much, sampled drafting that cost more than it gained, engine starts that recompiled
 every time, aborted at random, or failed after numba was imported; on vLLM's V1 model
@@ -21,6 +21,7 @@ turns on multiprocess metrics, so that /metrics shows the engine core's (see
 
 import logging
 import os
+import sys
 
 # under vLLM's "vllm" logger, whose handler vLLM configures: a logger of our own has none,
 # and Python drops its INFO records
@@ -30,6 +31,7 @@ LOADED = False
 RUNNER: str | None = None  # the model runner this process's engines run: "V1" or "V2"
 PATCHED: list[str] = []
 SKIPPED: list[str] = []
+SAID: set[str] = set()  # the console lines said in this process (each once)
 
 
 def register() -> None:
@@ -40,14 +42,24 @@ def register() -> None:
 
     shm_transfer.register()
     if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":
+        say_once(
+            "grpo-specdec: GRPO_SPECDEC_NO_PATCHES=1 leaves vLLM unpatched: on CPU, sampled "
+            "drafts at T > 0 are neither lossless nor cheap and a k = 0 step still runs the "
+            "draft; group drafts are refused; on CUDA, Model Runner V2 runs some k without a "
+            "FULL graph"
+        )
+        return
+    import vllm
+    from vllm.platforms import current_platform
+
+    from vllm_plugin import compat, patches
+
+    if not patches.vllm_is(compat.SUPPORTED_VERSIONS):
+        say_unsupported(vllm.__version__)
         return
     from vllm_plugin import serve_metrics
 
     serve_metrics.enable_for_serve()
-    import vllm
-    from vllm.platforms import current_platform
-
-    from vllm_plugin import patches
     from vllm_plugin.patches.features import (
         cpu_sampled_drafts_v0_32,
         free_k0_v0_32,
@@ -93,8 +105,34 @@ def register() -> None:
                 vllm.__version__,
                 current_platform.device_type,
                 RUNNER,
-                patch.TARGET_VERSION,
+                ", ".join(patch.TARGET_VERSIONS),
             )
+
+
+def say_unsupported(version: str) -> None:
+    """One line on the console (and in vLLM's log) per process, when vLLM is a release whose
+    internals the plugin was not checked against: every patch is off."""
+    from vllm_plugin import compat
+
+    say_once(
+        f"grpo-specdec: vLLM {version} is not a release this plugin was checked against "
+        f"({', '.join(compat.SUPPORTED_VERSIONS)}), so none of its patches of vLLM is applied: "
+        "on CPU, sampled drafts at T > 0 are neither lossless nor cheap and a k = 0 step still "
+        "runs the draft, group drafts are refused; on CUDA, Model Runner V2 runs some k without "
+        "a FULL graph. What uses vLLM's extension points still runs: the concurrency-aware "
+        "scheduler (which warns if vLLM does not run the k it chooses), the weight-swap "
+        "extension, the grpo_shm transfer backend. Install vllm 0.32 or 0.33 for all of it."
+    )
+
+
+def say_once(message: str) -> None:
+    """`message` on the console (stderr: a job routes vLLM's log to a file) and in vLLM's
+    log, once per process."""
+    if message in SAID:
+        return
+    SAID.add(message)
+    print(message, file=sys.stderr, flush=True)
+    logger.warning(message)
 
 
 def patch_name(patch) -> str:

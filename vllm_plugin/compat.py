@@ -1,5 +1,5 @@
 """The plugin's side of the one adapter for vLLM internals: what vllm_plugin reads of vLLM
-0.32.0 (and of prometheus_client, as vLLM itself uses it) beyond its documented extension
+0.32.0 and 0.33.0 (and of prometheus_client, as vLLM itself uses it) beyond its documented extension
 points, outside the patches in vllm_plugin/patches/ (each of which owns what it patches).
 
 vllm_plugin must not import grpo_specdec, so the internals are split by layer: the ones the
@@ -10,9 +10,13 @@ and checks that no other module reaches into vLLM's internals.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 
-TARGET_VERSION = "0.32.0"
+# The vLLM releases whose internals (named here, in grpo_specdec/vllm_compat.py and in each
+# patch) were read and are tested (`make test` on 0.32.0, `make test-vllm033` on 0.33.0's own
+# code). Any other release loads the plugin with every patch off, and says so on the console.
+SUPPORTED_VERSIONS = ("0.32.0", "0.33.0")
 
 
 @contextmanager
@@ -35,8 +39,14 @@ def layerwise_reload(model, model_config, vllm_config):
             finalize_layerwise_reload(model, model_config)
 
 
+def full_weights(source) -> Iterator[tuple[str, object]]:
+    """A trainer's `WeightSource` as full (name, tensor) pairs: vLLM 0.33's sources yield
+    them from `iter_full()`, vLLM 0.32's from iterating the source."""
+    return source.iter_full() if hasattr(source, "iter_full") else iter(source)
+
+
 def end_weight_update(worker) -> None:
-    """End vLLM 0.32.0 worker `worker`'s weight-update session whatever its state: vLLM's
+    """End vLLM 0.32/0.33 worker `worker`'s weight-update session whatever its state: vLLM's
     `finish_weight_update` refuses one that failed on this rank and would commit one that
     must be undone; this clears `Worker._weight_update_active` and resets the transfer
     engine's target, as the worker itself does when an update fails on it."""
@@ -44,6 +54,19 @@ def end_weight_update(worker) -> None:
     engine = getattr(worker, "weight_transfer_engine", None)
     if engine is not None:
         engine.reset_weight_update_target()
+    if getattr(worker, "_weight_update_is_draft", False):
+        # vLLM 0.33 loads a draft through the target's unquantized LM head under
+        # draft_lm_head_quantization, and puts the quantized copies back as its own failure
+        # paths do (`Worker.update_weights`); 0.32 has no such swap.
+        try:
+            from vllm.model_executor.layers.quantization.online.lm_head import (
+                restore_quantized_lm_heads,
+            )
+        except ImportError:
+            return
+        draft = worker.get_draft_model()
+        if draft is not None:
+            restore_quantized_lm_heads(draft, refresh=False)
 
 
 def is_registered(collector) -> bool:

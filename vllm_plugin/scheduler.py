@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
+import sys
 import time
 from collections import Counter, deque
 
@@ -30,6 +31,7 @@ from vllm_plugin.compat import dense_k_table, is_registered
 from vllm_plugin.controller import FixedPolicy, PaperPolicy, Policy
 from vllm_plugin.goodput_controller import GoodputController
 from vllm_plugin.group_drafter import MODEL
+from vllm_plugin.k_check import KHonouredCheck
 from vllm_plugin.settings import ControllerSettings, find_latency, load_latency
 
 logger = logging.getLogger(__name__)
@@ -188,6 +190,8 @@ class ConcurrencyAwareMixin:
         self._pending_steps: dict[int, tuple] = {}
         self._last_output_at = 0.0
         self._untimed_steps = 0  # steps not to time (the first after a cache reset)
+        self.k_check = KHonouredCheck()
+        self._k_last_scheduled: int | None = None  # sizes the drafts the next step verifies
         self._k_metric = k_histogram().labels(
             model_name=self.vllm_config.model_config.served_model_name
         )
@@ -258,11 +262,16 @@ class ConcurrencyAwareMixin:
                 for req, n in out.num_scheduled_tokens.items()
             )
             context = self.chosen[2] if self.chosen and self.chosen[0] == batch else None
-            timed = decode_only and self._untimed_steps == 0
+            # vLLM 0.33's Model Runner V2 drafts nothing after a step whose every request
+            # ends in it (`skip_drafts`), whatever k says: such a step is not priced at k.
+            skipped = getattr(out, "skip_drafts", False)
+            timed = decode_only and not skipped and self._untimed_steps == 0
             self._untimed_steps = max(self._untimed_steps - 1, 0)
             if len(self._pending_steps) > 8:  # outputs that never came (an engine reset)
                 self._pending_steps.clear()
-            self._pending_steps[id(out)] = (start, batch, k, context, timed)
+            sized_by = self._k_last_scheduled if decode_only else None
+            self._k_last_scheduled = k
+            self._pending_steps[id(out)] = (start, batch, k, context, timed, sized_by)
             self.step_trace.append((time.monotonic(), batch, k, decode_only))
             if self.controller is not None and len(self.controller.acceptance.requests) > 2 * (
                 self.max_num_running_reqs
@@ -276,8 +285,10 @@ class ConcurrencyAwareMixin:
     def update_from_output(self, scheduler_output, model_runner_output):
         now = time.monotonic()
         step = self._pending_steps.pop(id(scheduler_output), None)
+        if step is not None:
+            self._check_k_honoured(scheduler_output, step[5])
         if step is not None and self.controller is not None:
-            start, batch, k, context, timed = step
+            start, batch, k, context, timed, _ = step
             if timed:
                 # From the later of its scheduling and the previous output (async
                 # scheduling schedules a step while the one before it runs) to its output.
@@ -285,6 +296,28 @@ class ConcurrencyAwareMixin:
                 self.controller.step_timed(batch, k, context, ms)
         self._last_output_at = now
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _check_k_honoured(self, out, sized_by: int | None) -> None:
+        """Compare the k that sized this step's drafts with the most vLLM verified for one
+        request that neither its max_tokens, the model's length nor a grammar (structured
+        output drops drafts it rejects) could have clipped. Group drafts run up to k_max
+        whatever k says: with them on, k sizes no draft."""
+        if self.controller_settings.group.enabled:
+            return
+        limit = self.num_spec_tokens + 1
+        invalid = out.num_invalid_spec_tokens or {}
+        verified = [
+            len(out.scheduled_spec_decode_tokens.get(req_id, ())) - invalid.get(req_id, 0)
+            for req_id in out.num_scheduled_tokens
+            if (r := self.requests.get(req_id)) is not None
+            and r.num_tokens + limit <= self.max_model_len
+            and (r.max_tokens is None or r.num_output_tokens + limit <= r.max_tokens)
+            and not r.use_structured_output
+        ]
+        message = self.k_check.step_verified(sized_by, max(verified, default=None))
+        if message is not None:
+            print(message, file=sys.stderr, flush=True)
+            logger.warning(message)
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         sources = getattr(draft_token_ids, "grpo_sources", None)

@@ -10,7 +10,7 @@ import urllib.request
 
 import torch
 
-from grpo_specdec.swap_files import swap_file
+from vllm_plugin.swap_folder import swap_file
 
 
 class ServedWeights:

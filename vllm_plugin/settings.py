@@ -265,6 +265,26 @@ def find_latency(settings: ControllerSettings, vllm_config):
         if settings.profile:
             raise FileNotFoundError(missing)
         return None, missing
-    profile = json.loads(path.read_text())
+    profile = read_profile(path)
     check_engine_shape(profile, path, vllm_config)
     return profile_latency(profile), None
+
+
+def read_profile(path: Path) -> dict:
+    """The latency profile at `path`, or an error naming the file and what is wrong."""
+    from vllm_plugin.controller import profile_latency
+
+    try:
+        profile = json.loads(path.read_text())
+        profile_latency(profile)  # every part the controller reads is there
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"latency profile {path}: not valid JSON (line {err.lineno}: {err.msg}); run "
+            "`grpo-specdec profile` again or name another"
+        ) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(
+            f"latency profile {path}: not a profile `grpo-specdec profile` writes "
+            f"({type(err).__name__}: {err})"
+        ) from None
+    return profile

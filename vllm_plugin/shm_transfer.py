@@ -138,7 +138,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         lets go of an engine that goes on serving, and in the second case the open files of
         the last good weights are what a later abort restores. They close with the worker,
         which frees their shared memory; files a dead trainer left in the folder are swept
-        by the next swap (swap_files.sweep_orphans)."""
+        by the next swap (swap_folder.sweep_orphans)."""
 
 
 def register() -> None:

@@ -1,5 +1,5 @@
 """The trainer's side of the `grpo_shm` weight transfer (vllm_plugin/shm_transfer.py), in
-vLLM 0.32's trainer API: a `TrainerWeightTransferEngine` registered as `grpo_shm` with
+vLLM's trainer API (0.32 and 0.33): a `TrainerWeightTransferEngine` registered as `grpo_shm` with
 `WeightTransferTrainerFactory`, driven through any `VLLMWeightSyncClient`.
 
     engine = WeightTransferTrainerFactory.trainer_init(
@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -32,8 +33,9 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-from grpo_specdec.swap_files import swap_file
+from vllm_plugin.compat import full_weights
 from vllm_plugin.shm_transfer import BACKEND
+from vllm_plugin.swap_folder import swap_file
 from vllm_plugin.weight_update import merged_session_ends, run_update
 
 
@@ -45,16 +47,22 @@ class ShmTrainerInitInfo(TrainerInitInfo):
 
 
 class StateDictSource(WeightSource):
-    """A `WeightSource` over a name -> tensor dict under the checkpoint's names."""
+    """A `WeightSource` over a name -> tensor dict under the checkpoint's names, in both
+    trainer APIs: vLLM 0.33 reads `metadata` as a cached property and iterates
+    `iter_full()`; vLLM 0.32 iterates the source itself (its `metadata()` method is read
+    only by the NCCL backend, never on this one's path)."""
 
     def __init__(self, weights: dict[str, torch.Tensor]):
         self.weights = weights
 
+    @cached_property
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.weights.items()]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.weights.items())
+
+    __iter__ = iter_full
 
 
 class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
@@ -71,7 +79,7 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
     def send_weights(self, version: int) -> float:
         """One update to weights version `version`; the seconds spent writing the file.
         Every rank iterates the source (its gathers are collectives); rank 0 sends."""
-        weights = dict(self.source)
+        weights = dict(full_weights(self.source))
         if not self.is_sender:
             return 0.0
         start = time.perf_counter()

@@ -8,7 +8,7 @@ routes (`/start_weight_update` ..., mounted only under VLLM_SERVER_DEV_MODE besi
 other dev routes) are outside that check: this route is the same update behind the key.
 
 The body names a safetensors file that a trainer on the server's machine, run by the
-server's user, wrote to the private swap folder (`grpo_specdec.served.ServedWeights`):
+server's user, wrote to the private swap folder (`vllm_plugin.served_weights.ServedWeights`):
 {"role": "policy" | "draft", "path", "version"}. The route drives vLLM's weight-update
 lifecycle on the engine, the one a trainer's client drives (vllm_plugin/weight_update.py),
 with the `grpo_shm` transfer backend (start the server with `--weight-transfer-config

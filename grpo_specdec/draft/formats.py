@@ -1,5 +1,7 @@
-"""Draft heads as they are published, read into the layout vLLM 0.32 serves and this project
-keeps learning (`head.py`): `grpo-specdec draft import --head SRC --target T --out OUT`.
+"""Draft heads as they are published, read into the layout vLLM serves and this project keeps
+learning (`head.py`): `grpo-specdec draft import --head SRC --target T --out OUT`, and on the
+fly wherever a head is handed over (`ready_head`: generate, profile, draft train's --init, the
+job's model.draft, `OnlineDraft`), into a cache keyed by the source's content.
 
 Layouts read, with vLLM's own renames:
 - EAGLE-1 (the EAGLE authors' heads): `pytorch_model.bin` or safetensors; a `LlamaForCausalLM`
@@ -25,10 +27,16 @@ A head whose shapes do not fit the target is refused with the field or tensor na
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from grpo_specdec.draft.head import new_head, target_embeddings
@@ -181,3 +189,100 @@ def import_head(src: str | Path, target_dir: str | Path, out: str | Path) -> Pat
     out = head.save(out)
     (out / "imported_from.json").write_text(json.dumps({"source": str(folder)}, indent=1))
     return out
+
+
+def _tensor_names(folder: Path) -> list[str]:
+    """The head's tensor names, read from the safetensors headers (or the .bin's index)
+    without loading the tensors."""
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        names = []
+        for f in files:
+            with safe_open(str(f), framework="pt") as opened:
+                names += list(opened.keys())
+        return names
+    if (folder / "pytorch_model.bin").is_file():
+        weights = torch.load(folder / "pytorch_model.bin", map_location="meta", weights_only=True)
+        return list(weights)
+    return []
+
+
+def published_layout(folder: str | Path) -> str | None:
+    """What marks the head at `folder` as published in its authors' layout rather than this
+    project's (None: this project's, or no head at all): the parts `import_head` converts."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return None
+    cfg = json.loads((folder / "config.json").read_text())
+    marks = []
+    if cfg.get("model_type") == "eagle" and isinstance(cfg.get("model"), dict):
+        marks.append('a config nested under "model"')
+    elif cfg.get("speculators_model_type") or "transformer_layer_config" in cfg:
+        marks.append("a speculators config")
+    elif "LlamaForCausalLM" in (cfg.get("architectures") or []):
+        marks.append("a LlamaForCausalLM config")
+    if not list(folder.glob("*.safetensors")) and (folder / "pytorch_model.bin").is_file():
+        marks.append("pytorch_model.bin")
+    names = _tensor_names(folder)
+    if any(n.startswith("model.") for n in names):
+        marks.append("model.* names")
+    names = [n.removeprefix("model.") for n in names]
+    if any(n.startswith("midlayer.") for n in names):
+        marks.append("midlayer.*")
+    marks += [n for n in ("embed_tokens.weight", "t2d", "fc.bias") if n in names]
+    return ", ".join(marks) or None
+
+
+def imported_heads_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "grpo-specdec" / "imported-heads"
+
+
+def _content_key(folder: Path, target_dir: Path) -> str:
+    """A key for the head's files and the target it is imported for (the import reads the
+    target's embedding and config)."""
+    digest = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and (f.suffix in (".json", ".safetensors", ".bin")):
+            digest.update(f.name.encode())
+            with f.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 24), b""):
+                    digest.update(block)
+    digest.update(str(target_dir.resolve()).encode())
+    return digest.hexdigest()[:16]
+
+
+def ready_head(
+    draft: str | Path, target_dir: str | Path, field: str, log: Callable[[str], None] = print
+) -> str:
+    """The head at `draft` as this project serves and trains it: the folder itself when it is
+    in this project's layout, else its import (`import_head`) into a cache keyed by its
+    content, said in one line. A published head that cannot be imported is refused naming
+    `field`, the layout found and why."""
+    folder, target_dir = Path(draft), Path(target_dir)
+    layout = published_layout(folder)
+    if layout is None:
+        return str(draft)
+    out = imported_heads_dir() / _content_key(folder, target_dir)
+    if not (out / "imported_from.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".import-", dir=out.parent))
+        try:
+            import_head(folder, target_dir, staging)
+            try:
+                staging.rename(out)
+            except OSError:  # another process imported it first: the same content
+                pass
+        except HeadFormatError as err:
+            raise HeadFormatError(
+                f"{field}: {folder} is a head as published ({layout}) that cannot be imported "
+                f"for {target_dir}: {err}. `grpo-specdec draft import --head {folder} --target "
+                f"{target_dir} --out DIR` says the same"
+            ) from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    log(
+        f"{field}: {folder} is a head as published ({layout}); serving and training its "
+        f"import in {out} (what `grpo-specdec draft import` writes)"
+    )
+    return str(out)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from grpo_specdec.draft.capture import Sequence, capture_hidden
+from grpo_specdec.draft.formats import ready_head
 from grpo_specdec.draft.learner import DraftData, DraftLearner, DraftRound
 from grpo_specdec.draft.trainer import DraftTrainConfig
 
@@ -26,9 +27,10 @@ from grpo_specdec.draft.trainer import DraftTrainConfig
 class OnlineDraft:
     """An EAGLE head learning online for the policy at `policy_dir` (its config and
     architecture; the weights come from the policy module at each `learn_from`). `head`: a
-    head folder to continue from (`grpo-specdec draft train` / `draft import`); without one,
-    a new head, `new` = "eagle3" (three of the policy's layers, trained unrolled) or
-    "eagle" (its last layer)."""
+    head folder to continue from (`grpo-specdec draft train`'s, or one as its authors
+    publish it, EAGLE-1, EAGLE-3 or speculators, imported on the fly); without one, a new
+    head, `new` = "eagle3" (three of the policy's layers, trained unrolled) or "eagle" (its
+    last layer)."""
 
     def __init__(
         self,
@@ -43,6 +45,7 @@ class OnlineDraft:
         if new not in ("eagle", "eagle3"):
             raise ValueError(f"new: 'eagle' or 'eagle3', not {new!r}")
         cfg = DraftTrainConfig.model_validate(train or {})
+        head = head and ready_head(head, policy_dir, "head")
         self.learner = DraftLearner(
             str(policy_dir), str(head) if head else None, cfg, device, seed, new_head_kind=new
         )
@@ -104,7 +107,7 @@ class OnlineDraft:
         if it is refused (the error is raised here). Returns the version sent."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from grpo_specdec.weight_transfer import ShmTrainerInitInfo, StateDictSource
+        from vllm_plugin.weight_transfer import ShmTrainerInitInfo, StateDictSource
 
         weights, metadata, version, _ = self.learner.export()
         sender = WeightTransferTrainerFactory.trainer_init(

@@ -22,6 +22,12 @@ ABANDONED = "abandoned"  # where a resume moves the checkpoints of the timeline 
 _ITERATION = re.compile(r"iter_(\d+)")
 
 
+def staging_name(name: str) -> str:
+    """Where this process writes checkpoint `name` before renaming it into place: its own
+    name, so that no other process's cleanup removes it halfway."""
+    return f".tmp_{name}.p{os.getpid()}"
+
+
 class Checkpointer:
     """The job's checkpoints folder: where a run starts from, and each checkpoint it writes."""
 
@@ -32,7 +38,10 @@ class Checkpointer:
         """The checkpoint a run starts from: with `resume` (a run folder or a checkpoint),
         that one, made the newest of this folder's timeline, once `config` is found to read
         the same data as the checkpoint's; without, none, and a folder that holds
-        checkpoints already is refused."""
+        checkpoints already is refused. Staging folders a killed run left are removed
+        first: the job holds the run folder's lock (`run_lock.py`), so no other writes here."""
+        for stale in self.root.glob(".tmp_*"):
+            shutil.rmtree(stale, ignore_errors=True)
         if resume:
             ckpt = resume_point(Path(resume))
             if config is not None:
@@ -59,7 +68,7 @@ class Checkpointer:
         # names (or the resume point), which a restart or resume still needs.
         if final.exists():
             raise FileExistsError(f"checkpoint {final} exists already; refusing to overwrite it")
-        tmp = self.root / f".tmp_{final.name}"
+        tmp = self.root / staging_name(final.name)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_roles(tmp)
@@ -209,7 +218,7 @@ def resume_timeline(root: Path, ckpt: Path, log=print) -> Path:
                 f"--resume {ckpt}: that checkpoint is of another run, and {root} holds "
                 "checkpoints of its own; resume from one of those, or choose another out"
             )
-        copy = root / f".tmp_{ckpt.name}"
+        copy = root / staging_name(ckpt.name)
         shutil.rmtree(copy, ignore_errors=True)
         shutil.copytree(ckpt, copy)
         sync_tree(copy)  # on the disk before `latest` can name it

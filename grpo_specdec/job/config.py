@@ -287,6 +287,14 @@ class CompareSettings(StrictModel):
         return cap, self.budget_median or cap // 4
 
 
+class RestartSettings(StrictModel):
+    """When an actor dies, every role restarts from the newest checkpoint; a fault that comes
+    back each time would loop for ever, so restarts are counted."""
+
+    per_checkpoint: int = Field(3, ge=0, description="restarts from one checkpoint, then stop")
+    total: int = Field(10, ge=0, description="restarts in one run of the job, then stop")
+
+
 class TrainConfig(StrictModel):
     model: ModelSettings
     data: DataSettings = DataSettings()
@@ -306,6 +314,7 @@ class TrainConfig(StrictModel):
     compare: CompareSettings = CompareSettings()
     out: str = "runs/grpo"
     seed: int = 0
+    restarts: RestartSettings = RestartSettings()
 
     @model_validator(mode="after")
     def _comparable(self) -> TrainConfig:

@@ -4,10 +4,11 @@ length checked up front, and the latency profile concurrency-aware rollouts need
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.modelcheck import resolve_max_model_len
-from vllm_plugin.settings import profile_key, store_path
+from vllm_plugin.settings import profile_key, read_profile, store_path
 
 
 def check_context_length(cfg: TrainConfig, policy: str, draft: str | None) -> None:
@@ -44,6 +45,7 @@ def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> st
     if r.speculation != "concurrency_aware" or r.controller.policy == "fixed":
         return r.controller.profile
     if r.controller.profile:
+        read_profile(Path(r.controller.profile))  # a bad one named here, not in an engine actor
         return r.controller.profile
     from grpo_specdec.profile import ProfileConfig, run_profile
 
@@ -64,6 +66,7 @@ def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> st
             path,
             log=log,
         )
+    read_profile(path)
     return str(path)
 
 
@@ -96,10 +99,13 @@ def engine_config(
     }
 
 
-def engine_seed(job_seed: int, engine: int, policy_version: int) -> int:
-    """The sampling seed of rollout engine `engine` started at `policy_version`: each engine
-    its own stream (one seed for all drew the same random numbers in every engine), and a
-    new one whenever the roles start again (a restart or a resume from a checkpoint at
-    another policy version would otherwise replay the streams of the first start). Requests
-    seeded per prompt (`rollout.seeded`) do not depend on it."""
-    return random.Random(f"engine:{job_seed}:{engine}:{policy_version}").randrange(1 << 31)
+def engine_seed(job_seed: int, engine: int, policy_version: int, start: int) -> int:
+    """The sampling seed of rollout engine `engine` at the job's `start`-th start of its
+    roles (0: the first; each restart after an actor died counts one), at `policy_version`:
+    each engine its own stream (one seed for all drew the same random numbers in every
+    engine), and a new one whenever the roles start again (a restart from the same
+    checkpoint would otherwise replay the batch that crashed it, and a resume at another
+    policy version the streams of the first start). Requests seeded per prompt
+    (`rollout.seeded`) do not depend on it."""
+    key = f"engine:{job_seed}:{engine}:{policy_version}:{start}"
+    return random.Random(key).randrange(1 << 31)

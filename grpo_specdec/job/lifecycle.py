@@ -41,6 +41,7 @@ class Roles:
     ):
         self.cfg, self.out, self.weight_dtype, self.log = cfg, out, weight_dtype, log
         self.base_policy, self.base_draft = base_policy, base_draft
+        self.starts = 0  # how many times the roles started in this process (restarts + 1)
         self.checkpoints = out / "checkpoints"
         self.placement = Placement(cfg.ray, draft=self._has_draft_learner(cfg.model.draft))
         self.rollouts, self.policies, self.draft = [], [], None
@@ -103,10 +104,12 @@ class Roles:
         started_at = versions.get("policy", 0)
         self.rollouts = [
             place.actor("rollout", i).remote(
-                {**self.engine_cfg, "seed": engine_seed(cfg.seed, i, started_at)}, versions
+                {**self.engine_cfg, "seed": engine_seed(cfg.seed, i, started_at, self.starts)},
+                versions,
             )
             for i in range(cfg.ray.rollout_workers)
         ]
+        self.starts += 1
         # Start-up (model loads, engine compile) must not count in the first iteration's times.
         ray.get([a.__ray_ready__.remote() for a in self.actors()])
         self.weights = WeightSync(self.rollouts, self._served_at_start(versions), self.log)
@@ -207,8 +210,14 @@ class Roles:
             shutil.copytree(self.engine_cfg["speculative"]["draft"], folder / "draft")
 
     def shutdown(self) -> None:
-        ray.get([engine.shutdown.remote() for engine in self.rollouts])
-        ray.get([rank.shutdown.remote() for rank in self.policies])
+        """Stop every actor cleanly; one that died already (the fault a stopped job names)
+        is passed over, so the job ends on that reason, not on its death again."""
+        for actors in (self.rollouts, self.policies):
+            for actor, stopped in zip(actors, [a.shutdown.remote() for a in actors], strict=True):
+                try:
+                    ray.get(stopped)
+                except ray.exceptions.RayActorError:
+                    ray.kill(actor, no_restart=True)
         self.placement.remove()
 
 

@@ -44,6 +44,13 @@ def check_private(out: Path) -> None:
     runs the logging config written there (its handler factories are code), and the
     checkpoints there are loaded back; a folder others can write is a way to run code as this
     user or change the weights."""
+    for parent in out.resolve().parents:
+        mode = parent.stat().st_mode
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise ValueError(
+                f"out={out}: its parent {parent} has mode {stat.S_IMODE(mode):04o}: anyone can "
+                "replace the run folder inside it (chmod o-w, or the sticky bit as /tmp has)"
+            )
     info = out.stat()
     if info.st_uid != os.getuid():
         problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"

@@ -22,6 +22,7 @@ import ray
 import torch
 
 from grpo_specdec.bench.compare import compare_rollout
+from grpo_specdec.draft.formats import ready_head
 from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, report_line
 from grpo_specdec.grpo.core import first_informative, group_advantages
 from grpo_specdec.job.actors import start_ray
@@ -34,15 +35,15 @@ from grpo_specdec.job.lifecycle import Roles
 from grpo_specdec.job.logs import VllmLog, check_private
 from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_records
 from grpo_specdec.job.models import resolve_model
+from grpo_specdec.job.restarts import RestartBudget
 from grpo_specdec.job.rollout_worker import Rollout
+from grpo_specdec.job.run_lock import RunFolderLock
 from grpo_specdec.modelcheck import check_draft_matches_target
 from grpo_specdec.tasks.rewards import GRADERS, has_answer_format, overlong_penalty
 from vllm_plugin.manifest import read_manifest
 
 
 class Job:
-    MAX_CONSECUTIVE_RESTARTS = 3
-
     def __init__(self, cfg: TrainConfig, resume: str | None = None, log=print):
         self.cfg, self.log = cfg, log
         self.out = Path(cfg.out)
@@ -50,6 +51,7 @@ class Job:
         base_draft = cfg.model.draft and resolve_model(cfg.model.draft)
         if base_draft and cfg.rollout.speculation != "off":
             try:  # the learner and the engines would each fail on it inside their actors
+                base_draft = ready_head(base_draft, base_policy, "draft", log)
                 check_draft_matches_target(base_draft, base_policy)
             except ValueError as err:
                 raise ValueError(f"model.draft: {err}") from None
@@ -64,9 +66,19 @@ class Job:
                 data.seed, data.levels, cfg.eval.examples, self.source.template
             )
         )
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True, mode=0o700)
         check_private(self.out)
+        self.lock = RunFolderLock(self.out)  # held until shutdown, or the process's end
+        try:
+            self._open(resume, base_policy, base_draft)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, resume: str | None, base_policy: str, base_draft: str | None) -> None:
+        cfg, log = self.cfg, self.log
         self.checkpointer = Checkpointer(self.out / "checkpoints", log)
+        self.restart_budget = RestartBudget(cfg.restarts.per_checkpoint, cfg.restarts.total)
         ckpt = self.checkpointer.start_point(resume, cfg.model_dump())
         self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
         self.log(f"vLLM's messages go to {self.vllm_log.path} (errors also here)")
@@ -194,7 +206,6 @@ class Job:
 
     def run(self) -> list[dict]:
         records = []
-        consecutive_failures = 0
         with MetricsSink(self.out, self.iteration, self.cfg.iterations) as metrics:
             if self.iteration == 0 and self._evaluate_now():  # before training
                 truncate_records(self.out / "eval.jsonl", -1)  # an earlier start's
@@ -217,15 +228,12 @@ class Job:
                     ):
                         self.checkpoint()
                 except ray.exceptions.RayActorError as err:
-                    consecutive_failures += 1
-                    if consecutive_failures > self.MAX_CONSECUTIVE_RESTARTS:
-                        raise
-                    self._restart(f"iteration {running}: an actor died ({type(err).__name__})")
+                    fault = f"iteration {running}: an actor died ({type(err).__name__})"
+                    self.restart_budget.spend(self.checkpointer.latest(), fault)
+                    self._restart(fault)
                     # The iterations since the checkpoint run again: keep each record once.
                     records = [r for r in records if r["iteration"] <= self.iteration]
                     metrics.rewind(self.iteration)
-                    continue
-                consecutive_failures = 0
         return records
 
     def _log_eval(self, metrics: MetricsSink, report: dict) -> None:
@@ -250,9 +258,12 @@ class Job:
         )
 
     def shutdown(self) -> None:
-        self.roles.shutdown()
-        ray.shutdown()
-        self.vllm_log.close()
+        try:
+            self.roles.shutdown()
+            ray.shutdown()
+            self.vllm_log.close()
+        finally:
+            self.lock.release()
 
 
 def _rewards(

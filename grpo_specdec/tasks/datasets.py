@@ -139,7 +139,15 @@ def file_kind(path: str | Path) -> FileKind:
 
 
 def _jsonl_rows(path: Path):
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path} line {line}: not UTF-8 (byte {err.object[err.start]:#04x} at offset "
+            f"{err.start}); JSON Lines files are UTF-8"
+        ) from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path} line {lineno}"

@@ -72,6 +72,20 @@ def test_yaml_booleans_are_not_mistaken_for_values():
         load_yaml(TrainConfig, TINY_JOB_CONFIG, ["rollout.speculation=on"])
 
 
+def test_an_override_whose_value_is_not_yaml_names_the_override():
+    message = _config_error("--config", TINY_JOB_CONFIG, "rollout.k=[1,")
+    assert message.startswith("override 'rollout.k=[1,': the value '[1,' of rollout.k is not")
+
+
+def test_a_data_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"question": "q", "answer": "#### 4"}\n{"question": "caf\xe9"}\n')
+    message = _config_error(
+        "--config", TINY_JOB_CONFIG, "data.source=jsonl", f"data.path={latin}", f"out={tmp_path}/o"
+    )
+    assert message.startswith(f"{latin} line 2: not UTF-8 (byte 0xe9")
+
+
 def test_empty_and_corrupt_datasets(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

@@ -12,6 +12,7 @@ import torch
 
 from grpo_specdec.config import load_yaml
 from grpo_specdec.job.config import TrainConfig
+from grpo_specdec.job.restarts import JobStopped, RestartBudget
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
 from tests.conftest import job_overrides, job_records
 from vllm_plugin.manifest import MixedWeightsError
@@ -52,6 +53,29 @@ def _kill_rollout_before(job, iteration):
         return step()
 
     job.step = kill_then_step
+
+
+def _kill_rollout_every_time(job, iteration):
+    """The second engine dies each time `iteration` starts, replays included."""
+    step = job.step
+
+    def kill_then_step():
+        if job.iteration + 1 == iteration:
+            ray.kill(job.rollouts[1], no_restart=True)
+        return step()
+
+    job.step = kill_then_step
+
+
+def _engine_seeds(job) -> list[int]:
+    """The sampling seed each live engine started with (None for a dead one)."""
+    seeds = []
+    for engine in job.rollouts:
+        try:
+            seeds.append(ray.get(engine.__ray_call__.remote(lambda w: w.engine.cfg.seed)))
+        except ray.exceptions.RayActorError:
+            seeds.append(None)
+    return seeds
 
 
 def _kill_inside(job, method: str, victim) -> None:
@@ -222,6 +246,22 @@ def test_job_recovers_from_faults_and_loses_nothing(
             job.run()
         with pytest.raises(MixedWeightsError, match="refusing to generate: the draft weights"):
             job.run()
+
+        # A fault that recurs at one iteration (an engine dies each time it is replayed):
+        # one restart from the newest checkpoint (restarts.per_checkpoint=1), on engines
+        # sampling from new streams, then the job stops with one line.
+        job._restart("the test starts every role afresh")
+        seeds_before = _engine_seeds(job)
+        job.restart_budget = RestartBudget(per_checkpoint=1, total=10)
+        job.cfg.iterations = job.iteration + 1
+        _kill_rollout_every_time(job, job.iteration + 1)
+        with pytest.raises(
+            JobStopped,
+            match=rf"^iteration {job.iteration + 1}: an actor died \(.*\), after 1 restarts "
+            r"from .*iter_\d+ \(restarts.per_checkpoint\): the fault recurs; stopping",
+        ):
+            job.run()
+        assert _engine_seeds(job)[0] != seeds_before[0]  # the restart drew new streams
     finally:
         job.shutdown()
     iterations = [r["iteration"] for r in job_records(out)]

@@ -3,8 +3,9 @@ there: `fixes/` for vLLM's bugs this project cannot work around otherwise, `feat
 what it adds where vLLM has no extension point (a free k = 0 step, sampled drafts in a
 head's own vocabulary on CPU, group drafts).
 
-Most of them change vLLM 0.32's V1 model runner (`vllm.v1.worker.gpu_model_runner`, which
-the CPU runner subclasses), its drafter or its rejection sampler. vLLM 0.32 also ships Model
+Most of them change the V1 model runner of vLLM 0.32 and 0.33
+(`vllm.v1.worker.gpu_model_runner`, which the CPU runner subclasses), its drafter or its
+rejection sampler. Both also ship Model
 Runner V2 (`vllm/v1/worker/gpu/`, its own drafters and sampler), which calls none of them,
 and makes it the default wherever Triton runs (CUDA, ROCm). The plugin leaves that choice
 to vLLM and the user: V2 is where vLLM captures FULL CUDA graphs for every k a
@@ -31,28 +32,28 @@ LOST_ON_V2 = (
 )
 
 
-def vllm_is(version: str) -> bool:
-    """Whether this process runs vLLM `version`, a local build of it included: CUDA wheels
-    carry a local label ("0.32.0+cu129"), which changes none of the code a patch targets."""
+def vllm_is(versions: tuple[str, ...]) -> bool:
+    """Whether this process runs one of vLLM `versions`, a local build included: CUDA wheels
+    carry a local label ("0.33.0+cu130"), which changes none of the code a patch targets."""
     import vllm
     from packaging.version import InvalidVersion, Version
 
     try:
-        return Version(vllm.__version__).public == version
+        return Version(vllm.__version__).public in versions
     except InvalidVersion:
         return False
 
 
-def running_on_cpu(version: str) -> bool:
-    """Whether this process runs vLLM `version` on CPU."""
+def running_on_cpu(versions: tuple[str, ...]) -> bool:
+    """Whether this process runs one of vLLM `versions` on CPU."""
     from vllm.platforms import current_platform
 
-    return vllm_is(version) and current_platform.is_cpu()
+    return vllm_is(versions) and current_platform.is_cpu()
 
 
 def runs_v1_model_runner() -> bool:
-    """Whether engines started in this process run vLLM's V1 model runner, as vLLM 0.32
-    decides (`VllmConfig.use_v2_model_runner`): VLLM_USE_V2_MODEL_RUNNER where set, else V2
+    """Whether engines started in this process run vLLM's V1 model runner, as vLLM 0.32 and
+    0.33 decide (`VllmConfig.use_v2_model_runner`): VLLM_USE_V2_MODEL_RUNNER where set, else V2
     wherever Triton runs. (vLLM also forces V2 for watermarking and HiSparse attention,
     whatever the variable says; the V1 patches are inert in such an engine.)"""
     chosen = compat.v2_model_runner_setting()
@@ -91,7 +92,7 @@ def say_runner() -> None:
     """Where engines run Model Runner V2, say once what the V1 patches would have given and
     how to get them. vLLM loads general plugins in every process it starts, before it builds
     an engine's config (`EngineArgs.__post_init__`), so this runs once per process."""
-    if not vllm_is(compat.TARGET_VERSION) or runs_v1_model_runner():
+    if not vllm_is(compat.SUPPORTED_VERSIONS) or runs_v1_model_runner():
         return
     logger.info(
         "grpo-specdec: engines here run Model Runner V2 (full CUDA graphs for every k of a "

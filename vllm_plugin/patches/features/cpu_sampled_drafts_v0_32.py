@@ -1,4 +1,4 @@
-"""vLLM 0.32.0, CPU only: draft tokens drawn in the head's own vocabulary, so sampled
+"""vLLM 0.32.0 and 0.33.0, CPU only: draft tokens drawn in the head's own vocabulary, so sampled
 drafting (`draft_sample_method: "probabilistic"`) does not cost more than the acceptance
 it buys, and greedy drafting from a reduced vocabulary costs less.
 
@@ -33,7 +33,7 @@ from vllm_plugin.patches.fixes.cpu_rejection_sample_v0_32 import (
     inverse_cdf,
 )
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 
 
@@ -102,7 +102,7 @@ def _get_spec_decode_draft_probs(self, spec_decode_metadata):
 
 
 def applies() -> bool:
-    return running_on_cpu(TARGET_VERSION) and runs_v1_model_runner()
+    return running_on_cpu(TARGET_VERSIONS) and runs_v1_model_runner()
 
 
 def apply() -> bool:

@@ -1,4 +1,5 @@
-"""vLLM 0.32.0: a step that drafts nothing (k = 0) costs what a step without speculation costs.
+"""vLLM 0.32.0 and 0.33.0: a step that drafts nothing (k = 0) costs what a step without
+speculation costs.
 
 As shipped, when the scheduler picks k = 0 for a step (dynamic speculation), two things
 still run that a plain engine does not:
@@ -43,7 +44,7 @@ from vllm_plugin.patches import runs_v1_model_runner, vllm_is
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 # Under async scheduling the runner hands the next step the drafter's output on the device
 # before this step's results are read, a path the lazy pass was never built or tested on:
@@ -317,7 +318,7 @@ def _wrap_sample(original):
 
 def applies() -> bool:
 
-    return vllm_is(TARGET_VERSION) and runs_v1_model_runner()
+    return vllm_is(TARGET_VERSIONS) and runs_v1_model_runner()
 
 
 def apply() -> bool:

@@ -1,4 +1,4 @@
-"""vLLM 0.32.0: drafts from a GRPO group's text, next to the engine's own drafter.
+"""vLLM 0.32.0 and 0.33.0: drafts from a GRPO group's text, next to the engine's own drafter.
 
 vLLM 0.32 hosts one proposer per engine, and none of its model-free ones sees request
 ids or groups (`ngram` reads a request's own tokens, `custom_class` token rows, `suffix`
@@ -33,7 +33,7 @@ import logging
 
 from vllm_plugin.patches import runs_v1_model_runner, vllm_is
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 DRAFTER_ATTR = "_grpo_group"  # where the patched runner holds its GroupDrafter
 # Where it names the requests whose cached q (reduced vocabulary) stands for a one-hot draft.
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 def group_drafter(runner):
-    """The GroupDrafter of vLLM 0.32.0 model runner `runner` (a `GPUModelRunner`, which the
+    """The GroupDrafter of vLLM 0.32/0.33 model runner `runner` (a `GPUModelRunner`, which the
     CPU runner subclasses; a worker holds it as `worker.model_runner`), which this patch
     builds when the runner starts; None when group drafts are off or the patch is not on."""
     return getattr(runner, DRAFTER_ATTR, None)
@@ -160,7 +160,7 @@ def _wrap_init(original):
 
 def applies() -> bool:
 
-    return vllm_is(TARGET_VERSION) and runs_v1_model_runner()
+    return vllm_is(TARGET_VERSIONS) and runs_v1_model_runner()
 
 
 def apply() -> bool:

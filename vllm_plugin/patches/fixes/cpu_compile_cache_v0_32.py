@@ -1,4 +1,4 @@
-"""vLLM 0.32.0, CPU only: the torch.compile cache never loads, so every start recompiles.
+"""vLLM 0.32.0 and 0.33.0, CPU only: the torch.compile cache never loads, so every start recompiles.
 
 On CPU vLLM compiles with torch's own inductor backend (compilation mode
 DYNAMO_TRACE_ONCE). The cached artifact it saves is therefore torch's
@@ -9,15 +9,15 @@ AttributeError is logged as "Compiling model again due to a load failure" and th
 model is traced and compiled from scratch on every start.
 
 Torch's artifact is complete once deserialised: there is nothing to finalise. The fix
-gives it the missing method as a no-op, which is what later vLLM versions do by
-calling `finalize_loading` only where it exists.
+gives it the missing method as a no-op (0.33 still calls it unconditionally:
+`compilation/decorators.py`, `_try_load_aot_compiled_fn`).
 """
 
 from __future__ import annotations
 
 from vllm_plugin.patches import running_on_cpu
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = False
 
 
@@ -26,7 +26,7 @@ def finalize_loading(self, vllm_config) -> None:
 
 
 def applies() -> bool:
-    return running_on_cpu(TARGET_VERSION)
+    return running_on_cpu(TARGET_VERSIONS)
 
 
 def apply() -> bool:

@@ -1,4 +1,4 @@
-"""vLLM 0.32.0, CPU only: speculative decoding with temperature > 0 samples garbage.
+"""vLLM 0.32.0 and 0.33.0, CPU only: speculative decoding with temperature > 0 samples garbage.
 
 The rejection sampler expands per-request sampling parameters (temperature, top-k,
 top-p) to one value per draft token with `expand_kernel`. vLLM's CPU replacement,
@@ -18,7 +18,7 @@ import torch
 
 from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 
 
@@ -37,7 +37,7 @@ def expand_kernel_impl(
 
 
 def applies() -> bool:
-    return running_on_cpu(TARGET_VERSION) and runs_v1_model_runner()
+    return running_on_cpu(TARGET_VERSIONS) and runs_v1_model_runner()
 
 
 def apply() -> bool:

@@ -1,4 +1,4 @@
-"""vLLM 0.32.0, CPU only: no engine can start in a process that has imported numba.
+"""vLLM 0.32.0 and 0.33.0, CPU only: no engine can start in a process that has imported numba.
 
 When an engine starts, the CPU platform swaps C++ stand-ins in for vLLM's Triton kernels
 (`register_triton_kernel_overrides`). To find every reference to a kernel,
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from vllm_plugin.patches import running_on_cpu
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = False
 
 
@@ -30,7 +30,7 @@ def instance_namespace(value) -> Mapping:
 
 
 def applies() -> bool:
-    return running_on_cpu(TARGET_VERSION)
+    return running_on_cpu(TARGET_VERSIONS)
 
 
 def apply() -> bool:

@@ -1,4 +1,4 @@
-"""vLLM 0.32.0, CPU only: engine starts could abort with a fatal stack overflow.
+"""vLLM 0.32.0 and 0.33.0, CPU only: engine starts could abort with a fatal stack overflow.
 
 Each linear layer on CPU owns a oneDNN matmul handle; `CPUDNNLGEMMHandler.__del__`
 releases it with `handler_tensor.item()`. When an EAGLE draft shares the target's
@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from vllm_plugin.patches import running_on_cpu
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = False
 
 
@@ -55,7 +55,7 @@ def release_handle(handler) -> None:
 
 
 def applies() -> bool:
-    return running_on_cpu(TARGET_VERSION)
+    return running_on_cpu(TARGET_VERSIONS)
 
 
 def apply() -> bool:

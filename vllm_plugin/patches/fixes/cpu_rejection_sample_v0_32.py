@@ -1,4 +1,4 @@
-"""vLLM 0.32.0, CPU only: sampled speculative decoding spends most of a step on noise.
+"""vLLM 0.32.0 and 0.33.0, CPU only: sampled speculative decoding spends most of a step on noise.
 
 For requests that sample (temperature > 0), `rejection_sample` first draws a recovered
 token for *every* draft position, by Gumbel-max over the whole vocabulary, then decides
@@ -31,7 +31,7 @@ import torch
 
 from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
 # Attribute of a draft-probabilities tensor in a reduced vocabulary: its columns' target ids.
 VOCAB_IDS_ATTR = "grpo_vocab_ids"
@@ -53,10 +53,13 @@ def rejection_sample(
     synthetic_mode=False,
     synthetic_conditional_rates=None,
     use_fp64_gumbel=False,
+    **fly,
 ):
+    """vLLM's `rejection_sample`; `fly` holds 0.33's FLy arguments (`fly_window_size`, ...),
+    which vLLM refuses on CPU and this path hands to vLLM's own implementation."""
     vocab_ids = getattr(draft_probs, VOCAB_IDS_ATTR, None)
     one_hot = getattr(draft_probs, ONE_HOT_ATTR, None)
-    if synthetic_mode or not sampling_metadata.all_random:
+    if synthetic_mode or not sampling_metadata.all_random or fly.get("fly_window_size") is not None:
         if vocab_ids is not None:
             draft_probs = to_target_vocab(draft_probs, vocab_ids, target_logits.shape[1])
         if one_hot is not None:
@@ -73,6 +76,7 @@ def rejection_sample(
             synthetic_mode,
             synthetic_conditional_rates,
             use_fp64_gumbel,
+            **fly,
         )
     from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, generate_uniform_probs
 
@@ -178,7 +182,7 @@ def inverse_cdf(weights, u):
 
 
 def applies() -> bool:
-    return running_on_cpu(TARGET_VERSION) and runs_v1_model_runner()
+    return running_on_cpu(TARGET_VERSIONS) and runs_v1_model_runner()
 
 
 def apply() -> bool:

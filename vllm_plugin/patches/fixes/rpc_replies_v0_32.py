@@ -1,5 +1,6 @@
-"""vLLM 0.32.0, several worker processes (tensor parallel, `MultiprocExecutor`): after a
-collective RPC that failed on one rank, later RPCs read other calls' replies.
+"""vLLM 0.32.0 and 0.33.0, several worker processes (tensor parallel, `MultiprocExecutor`):
+after a collective RPC that failed on one rank, later RPCs read other calls' replies (0.33
+reads every reply before raising only with `enable_fault_tolerance`, off by default).
 
 `MultiprocExecutor.collective_rpc` reads one reply per worker, in rank order, and raises at
 the first failure: the replies of the ranks after it stay in their queues, and the next
@@ -16,7 +17,7 @@ replies are read later, by whoever resolves their futures.
 
 from __future__ import annotations
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = False
 DRAIN_TIMEOUT_S = 300.0  # for a reply the failed call left unread, when the call set none
 
@@ -75,7 +76,7 @@ def _wrap(original):
 def applies() -> bool:
     from vllm_plugin.patches import vllm_is
 
-    return vllm_is(TARGET_VERSION)
+    return vllm_is(TARGET_VERSIONS)
 
 
 def apply() -> bool:

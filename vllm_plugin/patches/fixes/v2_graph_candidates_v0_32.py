@@ -1,5 +1,5 @@
-"""vLLM 0.32.0, Model Runner V2 with a per-step k (dynamic speculative decoding): a decode
-step runs piecewise when the next captured size above it belongs to another k.
+"""vLLM 0.32.0 and 0.33.0, Model Runner V2 with a per-step k (dynamic speculative
+decoding): a decode step runs piecewise when the next captured size above it belongs to another k.
 
 `CudaGraphManager._init_candidates` maps each token count to the graphs of the smallest
 captured size at or above it, and `dispatch` takes the first of those the step fits, else
@@ -18,7 +18,7 @@ the nearest FULL graph of its own k. Engines without a per-step k are left as th
 
 from __future__ import annotations
 
-TARGET_VERSION = "0.32.0"
+TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = False
 
 
@@ -61,11 +61,11 @@ def _wrap(original):
 
 
 def applies() -> bool:
-    """vLLM 0.32.0 where Triton runs, so Model Runner V2 can (CUDA, ROCm)."""
+    """vLLM 0.32.0 or 0.33.0 where Triton runs, so Model Runner V2 can (CUDA, ROCm)."""
     from vllm_plugin import compat
     from vllm_plugin.patches import vllm_is
 
-    return vllm_is(TARGET_VERSION) and compat.has_triton()
+    return vllm_is(TARGET_VERSIONS) and compat.has_triton()
 
 
 def apply() -> bool:
