@@ -178,3 +178,47 @@ def _save_roles(folder):
     (folder / "policy" / "model.safetensors").write_bytes(b"weights")
     (folder / "policy" / "config.json").write_text("{}")
     (folder / "policy_state.pt").write_bytes(b"state")
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_the_job_before_it_is_written(
+    tmp_path, monkeypatch
+):
+    import shutil
+    from collections import namedtuple
+
+    from grpo_specdec.job import checkpoints
+    from grpo_specdec.job.restarts import JobStopped
+
+    root = tmp_path / "checkpoints"
+    ckpts = Checkpointer(root, **QUIET)
+    first = ckpts.write(1, 4, {}, _save_roles)
+    usage, real = namedtuple("usage", "total used free"), shutil.disk_usage
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda _: usage(100, 90, 10))
+    with pytest.raises(JobStopped, match=r"no room for checkpoint iter_000002 in .*: the last one"):
+        ckpts.write(2, 8, {}, _save_roles)
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", real)
+
+    def disk_full(folder):
+        _save_roles(folder)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        ckpts.write(2, 8, {}, disk_full)
+    assert not list(root.glob(".tmp_*"))  # the half-written one does not fill the disk more
+    assert latest_checkpoint(root) == first
+
+
+def test_a_resume_refuses_a_data_file_edited_in_place(tmp_path):
+    from grpo_specdec.job.checkpoints import check_same_data_file, read_state
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    root = tmp_path / "run" / "checkpoints"
+    ckpt = Checkpointer(root, data_path=str(data), **QUIET).write(1, 1, {}, _save_roles)
+    saved = read_state(ckpt)["data_file"]
+    assert saved["size"] == data.stat().st_size
+    check_same_data_file(saved, Checkpointer(root, data_path=str(data), **QUIET).data_file, ckpt)
+    data.write_text('{"question": "2+2", "answer": "4"}\n')
+    now = Checkpointer(root, data_path=str(data), **QUIET).data_file
+    with pytest.raises(ValueError, match=rf"the data file {data} changed since that checkpoint"):
+        check_same_data_file(saved, now, ckpt)

@@ -378,9 +378,12 @@ def test_the_engine_says_once_when_vllm_does_not_run_the_k_it_chose(
     """The k chosen sizes the drafts the next step verifies. With k changing as requests
     finish the engine says nothing; when the drafts vLLM verifies are cut to one token
     (what a vLLM that caps k would do), it says so once, naming both numbers."""
+    import vllm_plugin
+
     scheduler = aware_engine.scheduler()
     started_with = scheduler.policy
     monkeypatch.setattr(scheduler, "k_check", type(scheduler.k_check)())
+    monkeypatch.setattr(vllm_plugin, "SAID", set())
     prompts = (questions * 2)[:12]
     sampling = [_sampling(4 + 3 * i) for i in range(len(prompts))]
     inputs = [{"prompt_token_ids": aware_engine.encode(p)} for p in prompts]
@@ -405,3 +408,32 @@ def test_the_engine_says_once_when_vllm_does_not_run_the_k_it_chose(
     assert scheduler.k_check.seen == (3, 1)
     said = [line for line in capsys.readouterr().err.splitlines() if "did not run" in line]
     assert len(said) == 1 and "at most 1 draft" in said[0] and "k = 3" in said[0], said
+
+
+def test_without_the_cpu_sampling_fix_steps_with_sampled_requests_draft_nothing(
+    aware_engine, questions, monkeypatch, capsys
+):
+    """Drafts at T > 0 on CPU need cpu_expand_kernel_v0_32 (vLLM's rejection sampler samples
+    garbage without it): where it is not applied, steps running a sampled request draft
+    nothing, said once; greedy requests still draft."""
+    import vllm_plugin
+    from vllm_plugin.scheduler import sampling_fix_missing
+
+    assert sampling_fix_missing(True, []) and not sampling_fix_missing(False, [])
+    assert not sampling_fix_missing(True, ["cpu_expand_kernel_v0_32"])
+    scheduler = aware_engine.scheduler()
+    assert scheduler.sampling_fix_missing is False  # applied here
+    started_with = scheduler.policy
+    monkeypatch.setattr(scheduler, "sampling_fix_missing", True)
+    monkeypatch.setattr(vllm_plugin, "SAID", set())
+    scheduler.set_policy(FixedPolicy(3))
+    try:
+        sampled = aware_engine.generate(
+            questions[:4], SamplingSettings(temperature=1.0, max_tokens=16)
+        )
+        greedy = aware_engine.generate(questions[:4], SamplingSettings(max_tokens=16))
+    finally:
+        scheduler.set_policy(started_with)
+    assert sampled.spec["draft_tokens"] == 0 and greedy.spec["draft_tokens"] > 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "cpu_expand_kernel" in line]
+    assert len(said) == 1 and "draft nothing (k = 0)" in said[0]

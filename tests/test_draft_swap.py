@@ -134,6 +134,32 @@ def test_bad_swap_is_rejected_and_old_weights_keep_serving(
     assert swap_engine.generate(questions, GREEDY).spec == reference
 
 
+def _reads_files_whole_with(worker) -> str:
+    from vllm_plugin import rank_weights
+
+    return rank_weights.load_file.__name__
+
+
+@pytest.mark.parametrize("kind", ["shape", "missing", "dtype", "hidden"])
+def test_a_wrong_file_is_refused_from_its_header_before_it_is_read_whole(
+    swap_engine, trained_head, monkeypatch, kind
+):
+    """A file of another model (or a wrong shape, dtype or name) is refused from the header
+    its safetensors file begins with: read whole first, a large one could take the engine's
+    memory before the check said no. (This engine's worker runs in this process.)"""
+    from vllm_plugin import rank_weights
+
+    def read_whole(*_args, **_kwargs):
+        raise AssertionError("the file was read whole before its header was checked")
+
+    version = swap_engine.weight_versions()["draft"]
+    monkeypatch.setattr(rank_weights, "load_file", read_whole)
+    assert swap_engine.llm.collective_rpc(_reads_files_whole_with) == ["read_whole"]
+    with pytest.raises(Exception, match=r"rejected draft \(version .*\) weights: "):
+        swap_engine.swap_weights("draft", _bad_weights(trained_head, kind), version=version + 1)
+    assert swap_engine.weight_versions()["draft"] == version
+
+
 def test_head_for_another_vocabulary_is_rejected(
     swap_engine, trained_head, hf_target, tiny_target, questions
 ):

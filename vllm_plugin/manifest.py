@@ -79,9 +79,12 @@ def validate_metadata(metadata: dict[str, str], hf_config: object, what: str) ->
         raise WeightSwapError(f"rejected {what} weights: " + "; ".join(problems))
 
 
-def validate_weights(weights: dict[str, torch.Tensor], manifest: Manifest, what: str) -> None:
-    missing = sorted(set(manifest) - set(weights))
-    unexpected = sorted(set(weights) - set(manifest))
+def validate_layout(layout: dict[str, tuple[tuple, object]], manifest: Manifest, what: str) -> None:
+    """Names, shapes and dtypes (`layout`: name -> (shape, dtype), as a file's header gives
+    them) against the manifest, before any tensor is read: a wrong model's file is refused
+    without being loaded whole."""
+    missing = sorted(set(manifest) - set(layout))
+    unexpected = sorted(set(layout) - set(manifest))
     problems = []
     if missing:
         problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -89,14 +92,23 @@ def validate_weights(weights: dict[str, torch.Tensor], manifest: Manifest, what:
         problems.append(
             f"unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
-    for name in sorted(set(weights) & set(manifest)):
+    for name in sorted(set(layout) & set(manifest)):
         shape, dtype = manifest[name]
-        t = weights[name]
-        if tuple(t.shape) != shape:
-            problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
-        elif t.dtype != dtype:
-            problems.append(f"{name}: dtype {t.dtype}, expected {dtype}")
-        elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            problems.append(f"{name}: holds NaN or Inf values")
+        got_shape, got_dtype = layout[name]
+        if tuple(got_shape) != shape:
+            problems.append(f"{name}: shape {tuple(got_shape)}, expected {shape}")
+        elif got_dtype != dtype:
+            problems.append(f"{name}: dtype {got_dtype}, expected {dtype}")
+    if problems:
+        raise WeightSwapError(f"rejected {what} weights: " + "; ".join(problems))
+
+
+def validate_weights(weights: dict[str, torch.Tensor], manifest: Manifest, what: str) -> None:
+    validate_layout({n: (tuple(t.shape), t.dtype) for n, t in weights.items()}, manifest, what)
+    problems = [
+        f"{name}: holds NaN or Inf values"
+        for name, t in sorted(weights.items())
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
     if problems:
         raise WeightSwapError(f"rejected {what} weights: " + "; ".join(problems))

@@ -29,6 +29,7 @@ from vllm_plugin.manifest import (
     WeightSwapError,
     checkpoint_files,
     read_manifest,
+    validate_layout,
     validate_metadata,
     validate_weights,
 )
@@ -37,6 +38,27 @@ from vllm_plugin.swap_folder import open_swap_file
 logger = logging.getLogger(__name__)
 
 ROLES = ("policy", "draft")
+
+
+# safetensors' dtype names in a file's header, as torch's
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def header_entry(tensor_slice) -> tuple[tuple, object]:
+    """(shape, dtype) of a tensor as its file's header declares it, without reading it."""
+    dtype = tensor_slice.get_dtype()
+    return tuple(tensor_slice.get_shape()), SAFETENSORS_DTYPES.get(dtype, dtype)
 
 
 class WeightSwaps:
@@ -80,7 +102,9 @@ class WeightSwaps:
         try:
             with safe_open(opened, "pt") as f:
                 metadata = f.metadata() or {}
+                layout = {n: header_entry(f.get_slice(n)) for n in f.keys()}
             validate_metadata(metadata, model_config.hf_config, what)
+            validate_layout(layout, manifest, what)
             weights = load_file(opened)
             validate_weights(weights, manifest, what)
             t1 = time.perf_counter()

@@ -19,13 +19,14 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
-import sys
 import time
 from collections import Counter, deque
 
+from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+import vllm_plugin
 from vllm_plugin.acceptance import AcceptanceEstimator
 from vllm_plugin.compat import dense_k_table, is_registered
 from vllm_plugin.controller import FixedPolicy, PaperPolicy, Policy
@@ -102,8 +103,31 @@ class _PolicyLookup:
         running = self.scheduler.running  # vLLM rebinds the list as requests finish
         context = statistics.fmean(r.num_tokens for r in running) if running else None
         k = self.policy.choose(batch_size, context, [r.request_id for r in running])
+        if (
+            k
+            and self.scheduler.sampling_fix_missing
+            and any(
+                r.sampling_params is not None and r.sampling_params.temperature > 0 for r in running
+            )
+        ):
+            k = 0  # drafts at T > 0 would be sampled wrongly here: none while such run
+            vllm_plugin.say_once(SAMPLING_FIX_MISSING)
         self.scheduler.chosen = (batch_size, k, context)
         return k
+
+
+SAMPLING_FIX_MISSING = (
+    "grpo-specdec: this CPU engine samples at T > 0, and the fix that sampling with drafts "
+    "needs on CPU (cpu_expand_kernel_v0_32) is not applied (GRPO_SPECDEC_NO_PATCHES=1, or a "
+    "vLLM it does not target): steps with such requests draft nothing (k = 0), so their "
+    "tokens keep the target's distribution"
+)
+
+
+def sampling_fix_missing(is_cpu: bool, patched: list[str]) -> bool:
+    """Whether drafts sampled at T > 0 would be sampled wrongly in this process: on CPU,
+    vLLM's rejection sampler needs `cpu_expand_kernel_v0_32`."""
+    return is_cpu and "cpu_expand_kernel_v0_32" not in patched
 
 
 def past_first_eos(request) -> bool:
@@ -191,6 +215,9 @@ class ConcurrencyAwareMixin:
         self._last_output_at = 0.0
         self._untimed_steps = 0  # steps not to time (the first after a cache reset)
         self.k_check = KHonouredCheck()
+        self.sampling_fix_missing = sampling_fix_missing(
+            current_platform.is_cpu(), vllm_plugin.PATCHED
+        )
         self._k_last_scheduled: int | None = None  # sizes the drafts the next step verifies
         self._k_metric = k_histogram().labels(
             model_name=self.vllm_config.model_config.served_model_name
@@ -316,8 +343,7 @@ class ConcurrencyAwareMixin:
         ]
         message = self.k_check.step_verified(sized_by, max(verified, default=None))
         if message is not None:
-            print(message, file=sys.stderr, flush=True)
-            logger.warning(message)
+            vllm_plugin.say_once(message)
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         sources = getattr(draft_token_ids, "grpo_sources", None)

@@ -14,12 +14,43 @@ import zipfile
 from pathlib import Path
 
 from grpo_specdec.atomic_file import sync_dir, write_atomic
+from grpo_specdec.job.restarts import JobStopped
 from grpo_specdec.learner_state import load_learner_state
 from grpo_specdec.modelcheck import check_model_dir
 
 LATEST = "latest"  # file naming the newest complete checkpoint, replaced atomically
 ABANDONED = "abandoned"  # where a resume moves the checkpoints of the timeline it leaves
 _ITERATION = re.compile(r"iter_(\d+)")
+
+
+def data_fingerprint(path: str) -> dict:
+    """Path, size and sha256 of a data file, or of every file of a dataset folder."""
+    import hashlib
+
+    root = Path(path)
+    files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else [root]
+    digest, size = hashlib.sha256(), 0
+    for f in files:
+        digest.update(str(f.relative_to(root) if root.is_dir() else f.name).encode())
+        with f.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+                size += len(block)
+    return {"path": str(root.resolve()), "size": size, "sha256": digest.hexdigest()}
+
+
+def check_same_data_file(saved: dict | None, now: dict | None, ckpt: Path) -> None:
+    """Refuse a resume whose data file changed in place since checkpoint `ckpt` was written
+    (the data cursor would point into other examples). A checkpoint that predates the
+    fingerprint, or a run without a data file, is not compared."""
+    if not saved or not now or saved["sha256"] == now["sha256"]:
+        return
+    raise ValueError(
+        f"--resume {ckpt}: the data file {now['path']} changed since that checkpoint was "
+        f"written ({saved['size']} bytes, sha256 {saved['sha256'][:12]}; now {now['size']} "
+        f"bytes, {now['sha256'][:12]}): the data cursor would point into other examples; put "
+        "the file back as it was, or start a new run"
+    )
 
 
 def staging_name(name: str) -> str:
@@ -31,8 +62,11 @@ def staging_name(name: str) -> str:
 class Checkpointer:
     """The job's checkpoints folder: where a run starts from, and each checkpoint it writes."""
 
-    def __init__(self, root: Path, log=print):
+    def __init__(self, root: Path, log=print, data_path: str | None = None):
+        """`data_path`: the job's data file (or dataset folder), whose size and hash each
+        checkpoint records and a resume compares."""
         self.root, self.log = root, log
+        self.data_file = data_fingerprint(data_path) if data_path else None
 
     def start_point(self, resume: str | None, config: dict | None = None) -> Path | None:
         """The checkpoint a run starts from: with `resume` (a run folder or a checkpoint),
@@ -46,6 +80,7 @@ class Checkpointer:
             ckpt = resume_point(Path(resume))
             if config is not None:
                 check_same_data(read_state(ckpt).get("config") or {}, config, ckpt)
+            check_same_data_file(read_state(ckpt).get("data_file"), self.data_file, ckpt)
             return resume_timeline(self.root, ckpt, self.log)
         # A checkpoint renamed into place by a run killed before `latest` named it counts
         # too: a new run would stop at its first checkpoint, finding the name taken.
@@ -59,6 +94,21 @@ class Checkpointer:
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
 
+    def _check_room(self, final: Path) -> None:
+        """Stop before writing a checkpoint the disk cannot hold, judged by the size of the
+        newest one (the roles' files keep their size from one checkpoint to the next)."""
+        latest = self.latest()
+        if latest is None:
+            return
+        need = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file())
+        free = shutil.disk_usage(self.root).free
+        if free < need:
+            raise JobStopped(
+                f"no room for checkpoint {final.name} in {self.root}: the last one, {latest.name}, "
+                f"takes {need / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are free; free some "
+                f"and --resume (from {latest.name}, which is whole)"
+            )
+
     def write(self, iteration: int, cursor: int, config: dict, save_roles) -> Path:
         """Write everything needed to continue, atomically: a half-written checkpoint is
         never named by `latest`, so the previous one stays loadable. `save_roles(folder)`
@@ -68,21 +118,27 @@ class Checkpointer:
         # names (or the resume point), which a restart or resume still needs.
         if final.exists():
             raise FileExistsError(f"checkpoint {final} exists already; refusing to overwrite it")
+        self._check_room(final)
         tmp = self.root / staging_name(final.name)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_roles(tmp)
-        check_roles_wrote(tmp, final)
-        state = {
-            "iteration": iteration,
-            "cursor": cursor,
-            "python_rng": random.getstate(),
-            "config": config,
-        }
-        (tmp / "state.json").write_text(json.dumps(state))
-        # On disk before `latest` can name it: against a power loss, not only a crash
-        # (renames are journalled before the data they name is written).
-        sync_tree(tmp)
+        try:
+            save_roles(tmp)
+            check_roles_wrote(tmp, final)
+            state = {
+                "iteration": iteration,
+                "cursor": cursor,
+                "python_rng": random.getstate(),
+                "config": config,
+                "data_file": self.data_file,
+            }
+            (tmp / "state.json").write_text(json.dumps(state))
+            # On disk before `latest` can name it: against a power loss, not only a crash
+            # (renames are journalled before the data they name is written).
+            sync_tree(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk is not left fuller
+            raise
         os.replace(tmp, final)
         sync_dir(self.root)
         point_latest_at(self.root, final)

@@ -234,6 +234,13 @@ class RaySettings(StrictModel):
     rollout_cpus: float = Field(0, ge=0, description="CPUs reserved per engine")
     policy_cpus: float = Field(0, ge=0, description="CPUs reserved per policy rank")
     draft_cpus: float = Field(0, ge=0)
+    call_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="deadline of each remote call the job waits on (a rollout, a policy "
+        "update, a weight load, a checkpoint save, a draft round); past it its actors are "
+        "taken as hung and every role restarts from the newest checkpoint (`restarts`)",
+    )
     placement: PlacementStrategy = Field(
         "PACK",
         description="Ray placement-group strategy of each role's actors (SPREAD: one node each "

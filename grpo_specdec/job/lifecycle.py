@@ -112,7 +112,9 @@ class Roles:
         self.starts += 1
         # Start-up (model loads, engine compile) must not count in the first iteration's times.
         ray.get([a.__ray_ready__.remote() for a in self.actors()])
-        self.weights = WeightSync(self.rollouts, self._served_at_start(versions), self.log)
+        self.weights = WeightSync(
+            self.rollouts, self._served_at_start(versions), self.log, get=self._await_loads
+        )
         return versions.get("draft", 0)
 
     def _save_initial_head(self) -> str:
@@ -139,11 +141,21 @@ class Roles:
         """The whole policy, as rank 0 exports it into the object store: every rank takes
         part in gathering it, and one that dies meanwhile fails the export at once."""
         refs = [rank.export_weights.remote(self.weight_dtype) for rank in self.policies]
-        get_failing_fast(refs[1:])  # the other ranks return None
+        self.wait("a policy export", refs[1:])  # the other ranks return None
         return refs[0]
 
     def actors(self) -> list:
         return [*self.rollouts, *self.policies, *([self.draft] if self.draft else [])]
+
+    def wait(self, what: str, refs: list) -> list:
+        """The results of an iteration's remote calls, within `ray.call_timeout_s`."""
+        return get_failing_fast(refs, self.cfg.ray.call_timeout_s, what)
+
+    def _await_loads(self, refs):
+        """ray.get as WeightSync calls it (one ref or a list), within the deadline."""
+        if isinstance(refs, list):
+            return self.wait("a weight load", refs)
+        return self.wait("a weight load", [refs])[0]
 
     def kill(self) -> None:
         for actor in self.actors():
@@ -157,7 +169,8 @@ class Roles:
         prompts, seeds, budgets = batch.prompts, batch.seeds, batch.budgets
         n = len(self.rollouts)
         parts = [shard(len(prompts), i, n) for i in range(n)]
-        return get_failing_fast(
+        return self.wait(
+            "a rollout",
             [
                 engine.rollout.remote(
                     [prompts[i] for i in part],
@@ -167,7 +180,7 @@ class Roles:
                     fixed_k,
                 )
                 for engine, part in zip(self.rollouts, parts, strict=True)
-            ]
+            ],
         )
 
     def learn(self, batch: PolicyBatch, draft_version: int) -> Learning:
@@ -192,7 +205,9 @@ class Roles:
             )
         if draft is not None and draft.steps:
             weights, *facts = self.draft.export.options(num_returns=4).remote()
-            meta, version, trained_on = ray.get(facts)  # the weights stay in the object store
+            meta, version, trained_on = self.wait(
+                "a draft export", facts
+            )  # weights stay in the store
             loaded, done.draft_swap_error = self.weights.draft(weights, version, meta, iteration)
             if done.draft_swap_error is None:
                 done.sync["draft"], done.draft_trained_on_policy = loaded, trained_on
@@ -205,7 +220,7 @@ class Roles:
         jobs = [rank.save.remote(folder) for rank in self.policies]
         if self.draft is not None:
             jobs.append(self.draft.save.remote(folder))
-        get_failing_fast(jobs)  # under FSDP the ranks gather together: one dead holds the rest
+        self.wait("a checkpoint save", jobs)  # FSDP ranks gather together: one dead holds all
         if self.draft is None and self.engine_cfg["speculative"]:
             shutil.copytree(self.engine_cfg["speculative"]["draft"], folder / "draft")
 
@@ -242,7 +257,7 @@ class Learning:
     draft_version: int  # the newest the job has issued
 
     def policy(self) -> PolicyRound:
-        return get_failing_fast(self.updates)[0]  # every rank returns the whole batch's
+        return self.roles.wait("a policy update", self.updates)[0]  # each rank: the whole batch's
 
     def draft(self, iteration: int, restart_timeout_s: float = 300.0) -> DraftRound | None:
         """What the draft's training did (None: no draft learns online); a learner that
@@ -254,7 +269,7 @@ class Learning:
         job = self.draft_job
         while True:
             try:
-                return ray.get(job)
+                return self.roles.wait("a draft round", [job])[0]
             except ray.exceptions.RayActorError as err:
                 if time.monotonic() > deadline:
                     raise
@@ -266,11 +281,24 @@ class Learning:
                 job = self.roles.draft.train.remote(*self.shards, after_version=self.draft_version)
 
 
-def get_failing_fast(refs: list) -> list:
+class CallPastDeadline(RuntimeError):
+    """A remote call that did not answer within `ray.call_timeout_s`: its actor is taken as
+    hung, and the job restarts every role as for a dead one."""
+
+
+def get_failing_fast(refs: list, deadline_s: float | None = None, what: str = "a call") -> list:
     """ray.get of every ref, raising as soon as one fails: a rank whose peer died would
-    otherwise hold the caller in a collective until the group's timeout."""
+    otherwise hold the caller in a collective until the group's timeout; and, given
+    `deadline_s`, CallPastDeadline once that long has passed with a call unanswered."""
     pending = list(refs)
+    end = None if deadline_s is None else time.monotonic() + deadline_s
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        timeout = None if end is None else max(end - time.monotonic(), 0.0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not ready:
+            raise CallPastDeadline(
+                f"{what} did not answer within {deadline_s:g} s (ray.call_timeout_s): its "
+                "actor is taken as hung"
+            )
         ray.get(ready)
     return ray.get(list(refs))

@@ -31,7 +31,7 @@ from grpo_specdec.job.checkpoints import Checkpointer, read_state
 from grpo_specdec.job.config import RewardSettings, TrainConfig
 from grpo_specdec.job.engine_setup import check_context_length
 from grpo_specdec.job.learners import PolicyBatch
-from grpo_specdec.job.lifecycle import Roles
+from grpo_specdec.job.lifecycle import CallPastDeadline, Roles
 from grpo_specdec.job.logs import VllmLog, check_private
 from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_records
 from grpo_specdec.job.models import resolve_model
@@ -77,7 +77,7 @@ class Job:
 
     def _open(self, resume: str | None, base_policy: str, base_draft: str | None) -> None:
         cfg, log = self.cfg, self.log
-        self.checkpointer = Checkpointer(self.out / "checkpoints", log)
+        self.checkpointer = Checkpointer(self.out / "checkpoints", log, cfg.data.path)
         self.restart_budget = RestartBudget(cfg.restarts.per_checkpoint, cfg.restarts.total)
         ckpt = self.checkpointer.start_point(resume, cfg.model_dump())
         self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
@@ -211,8 +211,9 @@ class Job:
                 truncate_records(self.out / "eval.jsonl", -1)  # an earlier start's
                 self._log_eval(metrics, self.evaluate())
             while self.iteration < self.cfg.iterations:
-                # An actor that dies in the step, the evaluation or the checkpoint: every role
-                # restarts from the newest checkpoint and the iterations since run again.
+                # An actor that dies, or hangs past ray.call_timeout_s, in the step, the
+                # evaluation or the checkpoint: every role restarts from the newest checkpoint
+                # and the iterations since run again.
                 running = self.iteration + 1
                 try:
                     record = self.step()
@@ -227,8 +228,13 @@ class Job:
                         or self.iteration == self.cfg.iterations
                     ):
                         self.checkpoint()
-                except ray.exceptions.RayActorError as err:
-                    fault = f"iteration {running}: an actor died ({type(err).__name__})"
+                except (ray.exceptions.RayActorError, CallPastDeadline) as err:
+                    why = (
+                        str(err)
+                        if isinstance(err, CallPastDeadline)
+                        else f"an actor died ({type(err).__name__})"
+                    )
+                    fault = f"iteration {running}: {why}"
                     self.restart_budget.spend(self.checkpointer.latest(), fault)
                     self._restart(fault)
                     # The iterations since the checkpoint run again: keep each record once.

@@ -274,3 +274,34 @@ def test_job_recovers_from_faults_and_loses_nothing(
         if (pid := writer_pid(p)) is None or not process_alive(pid)
     ]
     assert not left, f"weight files left in the swap folder: {left}"
+
+
+def _hang_generation(worker):
+    import time
+
+    worker.engine.generate = lambda *args, **kwargs: time.sleep(3600)
+
+
+def test_a_hung_engine_is_taken_as_dead_after_the_deadline(
+    tiny_target, tiny_draft, job_profile, tmp_path
+):
+    """An engine that stops answering (a wedged collective, a driver hang) would hold the
+    job for ever: past `ray.call_timeout_s` its call is given up, every role restarts from
+    the newest checkpoint, and the job finishes."""
+    from grpo_specdec.job.run import Job
+
+    out = tmp_path / "run"
+    overrides = [*job_overrides(tiny_target, tiny_draft, job_profile, out, 1), "eval.every=0"]
+    cfg = load_yaml(TrainConfig, CONFIG, [*overrides, "ray.call_timeout_s=30"])
+    log: list[str] = []
+    job = Job(cfg, log=log.append)
+    try:
+        job.run()  # iteration 1, checkpoint 1
+        ray.get(job.rollouts[0].__ray_call__.remote(_hang_generation))
+        job.cfg.iterations = 2
+        assert [r["iteration"] for r in job.run()] == [2]
+    finally:
+        job.shutdown()
+    said = [line for line in log if "iteration 2: a rollout did not answer within 30 s" in line]
+    assert len(said) == 1 and "restarting all roles from" in said[0] and "iter_000001" in said[0]
+    assert [r["iteration"] for r in job_records(out)] == [1, 2]
