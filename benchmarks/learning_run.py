@@ -44,7 +44,8 @@ from benchmarks.common import (
 )
 
 CONFIG = ROOT / "configs" / "smollm2_arith.yaml"
-SAVED = ASSETS / "learning_run.json"
+STUDY = "learning_run"  # --study: docs/benchmarks/STUDY.md, docs/assets/STUDY.json, .png
+SAVED = ASSETS / f"{STUDY}.json"
 # Earlier recipes, each one run of this script at the commit it names (their metrics.jsonl
 # and eval.jsonl, as the job wrote them), beside the shipped recipe in the study.
 ABLATION = ASSETS / "learning_ablation.json"
@@ -504,7 +505,7 @@ def report(data: dict) -> str:
                 f"| {name} | {r['prompts']} x {r['samples']} | {plain_mean:.3f} | "
                 f"{ours_mean:.3f} | {r['paired_t']:+.2f} |"
             )
-    lines += ["", "![learning curve and speedup](../assets/learning_run.png)"]
+    lines += ["", f"![learning curve and speedup](../assets/{STUDY}.png)"]
     if ABLATION.is_file():
         lines += ["", *ablation_table(json.loads(ABLATION.read_text())["arms"], data)]
     return "\n".join(lines)
@@ -603,11 +604,12 @@ def plot(data: dict) -> None:
     if data.get("points"):
         axes[3].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(ASSETS / "learning_run.png", dpi=110)
+    fig.savefig(ASSETS / f"{STUDY}.png", dpi=110)
     plt.close(fig)
 
 
 def main() -> None:
+    global STUDY, SAVED
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -627,8 +629,14 @@ def main() -> None:
         default=NATURAL_REPEATS,
         help="timed natural-EOS rounds per point (at least --repeats)",
     )
+    ap.add_argument(
+        "--study",
+        default=STUDY,
+        help="the study's name: docs/benchmarks/NAME.md and docs/assets/NAME.json, NAME.png",
+    )
     args = ap.parse_args()
     args.natural_repeats = max(args.natural_repeats, args.repeats)
+    STUDY, SAVED = args.study, ASSETS / f"{args.study}.json"
     if args.report_only:
         data = json.loads(SAVED.read_text())
     else:
@@ -648,7 +656,7 @@ def main() -> None:
         held_out(args, data)
     plot(data)
     text = report(data)
-    write_study("learning_run", "The learning run (SmolLM2-135M, CPU)", text, "learning_run.py")
+    write_study(STUDY, "The learning run (SmolLM2-135M, CPU)", text, "learning_run.py")
     print(text)
 
 
