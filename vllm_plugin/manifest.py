@@ -30,6 +30,13 @@ _DTYPES = {
 Manifest = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
+def header_entry(tensor_slice) -> tuple[tuple, object]:
+    """(shape, dtype) of a tensor as its safetensors header declares it, without reading it
+    (a `safe_open` slice); an unknown dtype stays its header name."""
+    dtype = tensor_slice.get_dtype()
+    return tuple(tensor_slice.get_shape()), _DTYPES.get(dtype, dtype)
+
+
 class WeightSwapError(ValueError):
     """A rejected swap. The engine still serves the weights it had before."""
 

@@ -28,6 +28,7 @@ from vllm_plugin.manifest import (
     MixedWeightsError,
     WeightSwapError,
     checkpoint_files,
+    header_entry,
     read_manifest,
     validate_layout,
     validate_metadata,
@@ -38,27 +39,6 @@ from vllm_plugin.swap_folder import open_swap_file
 logger = logging.getLogger(__name__)
 
 ROLES = ("policy", "draft")
-
-
-# safetensors' dtype names in a file's header, as torch's
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-def header_entry(tensor_slice) -> tuple[tuple, object]:
-    """(shape, dtype) of a tensor as its file's header declares it, without reading it."""
-    dtype = tensor_slice.get_dtype()
-    return tuple(tensor_slice.get_shape()), SAFETENSORS_DTYPES.get(dtype, dtype)
 
 
 class WeightSwaps:
