@@ -22,6 +22,7 @@ class FakeScheduler(ConcurrencyAwareMixin):
         self.steps_scheduled = 1000
         self.running = []  # vLLM's running requests: none here
         self.verified_before_eos = Counter()
+        self.sampling_fix_missing = False  # as on a CPU engine with the plugin's fixes
         self.set_policy(FixedPolicy(0))
 
 

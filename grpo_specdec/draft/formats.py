@@ -224,12 +224,14 @@ def published_layout(folder: str | Path) -> str | None:
     if not list(folder.glob("*.safetensors")) and (folder / "pytorch_model.bin").is_file():
         marks.append("pytorch_model.bin")
     names = _tensor_names(folder)
+    plain = [n.removeprefix("model.") for n in names]
+    if not any(n in ("fc.weight", "d2t") or n.startswith("midlayer.") for n in plain):
+        return None  # no draft head at all (a whole model, say): not a layout to import
     if any(n.startswith("model.") for n in names):
         marks.append("model.* names")
-    names = [n.removeprefix("model.") for n in names]
-    if any(n.startswith("midlayer.") for n in names):
+    if any(n.startswith("midlayer.") for n in plain):
         marks.append("midlayer.*")
-    marks += [n for n in ("embed_tokens.weight", "t2d", "fc.bias") if n in names]
+    marks += [n for n in ("embed_tokens.weight", "t2d", "fc.bias") if n in plain]
     return ", ".join(marks) or None
 
 
