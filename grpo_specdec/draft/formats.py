@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from grpo_specdec.draft.head import new_head, target_embeddings
+from grpo_specdec.fingerprint import fingerprint
 from grpo_specdec.modelcheck import read_config
 
 
@@ -243,15 +244,8 @@ def imported_heads_dir() -> Path:
 def _content_key(folder: Path, target_dir: Path) -> str:
     """A key for the head's files and the target it is imported for (the import reads the
     target's embedding and config)."""
-    digest = hashlib.sha256()
-    for f in sorted(folder.iterdir()):
-        if f.is_file() and (f.suffix in (".json", ".safetensors", ".bin")):
-            digest.update(f.name.encode())
-            with f.open("rb") as handle:
-                for block in iter(lambda: handle.read(1 << 24), b""):
-                    digest.update(block)
-    digest.update(str(target_dir.resolve()).encode())
-    return digest.hexdigest()[:16]
+    key = f"{fingerprint(folder)['sha256']}:{target_dir.resolve()}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def ready_head(

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 from grpo_specdec.atomic_file import sync_dir, write_atomic
+from grpo_specdec.fingerprint import fingerprint
 from grpo_specdec.job.restarts import JobStopped
 from grpo_specdec.learner_state import load_learner_state
 from grpo_specdec.modelcheck import check_model_dir
@@ -21,22 +22,6 @@ from grpo_specdec.modelcheck import check_model_dir
 LATEST = "latest"  # file naming the newest complete checkpoint, replaced atomically
 ABANDONED = "abandoned"  # where a resume moves the checkpoints of the timeline it leaves
 _ITERATION = re.compile(r"iter_(\d+)")
-
-
-def data_fingerprint(path: str) -> dict:
-    """Path, size and sha256 of a data file, or of every file of a dataset folder."""
-    import hashlib
-
-    root = Path(path)
-    files = sorted(f for f in root.rglob("*") if f.is_file()) if root.is_dir() else [root]
-    digest, size = hashlib.sha256(), 0
-    for f in files:
-        digest.update(str(f.relative_to(root) if root.is_dir() else f.name).encode())
-        with f.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 24), b""):
-                digest.update(block)
-                size += len(block)
-    return {"path": str(root.resolve()), "size": size, "sha256": digest.hexdigest()}
 
 
 def check_same_data_file(saved: dict | None, now: dict | None, ckpt: Path) -> None:
@@ -66,7 +51,7 @@ class Checkpointer:
         """`data_path`: the job's data file (or dataset folder), whose size and hash each
         checkpoint records and a resume compares."""
         self.root, self.log = root, log
-        self.data_file = data_fingerprint(data_path) if data_path else None
+        self.data_file = fingerprint(data_path) if data_path else None
 
     def start_point(self, resume: str | None, config: dict | None = None) -> Path | None:
         """The checkpoint a run starts from: with `resume` (a run folder or a checkpoint),
