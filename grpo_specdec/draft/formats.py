@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from safetensors.torch import load_file
 from grpo_specdec.draft.head import new_head, target_embeddings
 from grpo_specdec.fingerprint import fingerprint
 from grpo_specdec.modelcheck import read_config
+from vllm_plugin.settings import cache_dir
 
 
 class HeadFormatError(ValueError):
@@ -237,8 +237,7 @@ def published_layout(folder: str | Path) -> str | None:
 
 
 def imported_heads_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "grpo-specdec" / "imported-heads"
+    return cache_dir() / "imported-heads"
 
 
 def _content_key(folder: Path, target_dir: Path) -> str:
