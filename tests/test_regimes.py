@@ -29,25 +29,7 @@ MISSED = {
     "synthetic: bulk p=0.85, tail p=0.2, x10 | Xeon (AMX)": "0.947 of the oracle",
     "end | EPYC (AVX512-BF16), costs 1.1-1.25x": "0.979 of k = 0",
 }
-NO_PROFILE_MISSED = {
-    "untrained_t1 | EPYC (AVX512-BF16)": 0.946,
-    "synthetic: bulk p=0.85, tail p=0.2, x10 | EPYC (AVX512-BF16)": 0.927,
-    "synthetic: p 0.85 -> 0.2 -> 0.85 across swaps | Xeon (AMX)": 0.865,
-    "synthetic: p 0.85 -> 0.2 -> 0.85 across swaps | EPYC (AVX512-BF16)": 0.905,
-    **{
-        f"{t} | GPU, Llama-3.1-8B (modelled)": ratio
-        for t, ratio in [
-            ("end", 0.914),
-            ("middle", 0.915),
-            ("past_eos", 0.674),
-            ("past_eos, then end (one controller)", 0.728),
-            ("start", 0.816),
-            ("untrained_t1", 0.804),
-            ("synthetic: bulk p=0.85, tail p=0.2, x10", 0.916),
-            ("synthetic: p 0.85 -> 0.2 -> 0.85 across swaps", 0.808),
-        ]
-    },
-}
+NO_PROFILE_MISSED: dict[str, float] = {}
 
 
 def _case(trace, costs, missed: dict):

@@ -80,3 +80,18 @@ def test_without_a_profile_the_engine_drafts_only_once_its_own_steps_show_it_pay
     assert first[0] == 0  # no profile: no draft before a timed one
     running = (2, None, ["a", "b"])
     assert unprofiled.best(*running)[0] == profiled.best(*running)[0] > 1
+
+
+def test_without_a_profile_a_range_of_b_keeps_the_price_its_own_steps_showed():
+    """An unprofiled engine timed k = 0 at B = 64 and then ran small batches for long (a
+    rollout's tail): the price of B = 64 stays what its steps showed, not the mean of
+    every range's (a unit of a memory-bound step at B = 1 costs 50 times one at 64)."""
+    costs = StepCosts(None, K_MAX, 64)
+    for _ in range(2):
+        costs.observe(64, 0, None, 6.0)
+    for _ in range(300):
+        costs.observe(1, 0, None, 5.0)
+        costs.observe(4, 0, None, 5.2)
+    assert 5.0 < costs.step_ms(64)[0] < 7.0
+    # a range never timed is priced between the ranges timed around it
+    assert 5.2 <= costs.step_ms(16)[0] <= 6.0

@@ -84,10 +84,8 @@ class StepCosts:
         for k in range(self.k_max + 1):
             below = per_k[k - 1] if k else 0.0
             per_k[k] = (sums[k].sum() + shrink * below) / (weights[k].sum() + shrink)
-            if k == 0:
-                toward = per_k[0]
-            elif self.profiled:
-                toward = cell[k - 1] + per_k[k] - per_k[k - 1]
+            if self.profiled:
+                toward = per_k[0] if k == 0 else cell[k - 1] + per_k[k] - per_k[k - 1]
             else:
                 toward = self._k0_at(batch * (k + 1), per_k[0])
             cell[k] = (sums[k, b] + shrink * toward) / (weights[k, b] + shrink)
@@ -95,13 +93,19 @@ class StepCosts:
 
     def _k0_at(self, tokens: int, default: float) -> float:
         """With no profile (a base of one unit per token), what a token costs in a k = 0
-        step of `tokens` sequences, as timed there or at the nearest B timed: a step that
-        verifies B (k + 1) tokens costs about what one of B (k + 1) sequences does."""
-        measured = np.flatnonzero(self.weights[0] > 0)
-        if not len(measured):
+        step of `tokens` sequences: as timed in that range of B, else interpolated in
+        log2 B between the nearest ranges timed below and above it (beyond them, the
+        nearest one's). A step that verifies B (k + 1) tokens costs about what one of
+        B (k + 1) sequences does. What a unit costs falls steeply with B where steps are
+        memory-bound, so one range's price is no guide to another's far from it: their
+        mean over every B (the profiled prior) priced the k = 0 steps of B = 64, never
+        timed again once drafting paid, at five times what they cost."""
+        timed = np.flatnonzero(self.weights[0] > 0)
+        if not len(timed):
             return default
-        b = measured[np.argmin(np.abs(measured - self._bucket(tokens)))]
-        return float(self.sums[0, b] / self.weights[0, b])
+        at = min(math.log2(max(tokens, 1)), float(self.sums.shape[1] - 1))
+        means = self.sums[0, timed] / self.weights[0, timed]
+        return float(np.interp(at, timed.astype(float), means))
 
     def step_ms(self, batch: int, context: float | None = None) -> np.ndarray:
         """The predicted ms of a step at `batch` for every k = 0..k_max."""
