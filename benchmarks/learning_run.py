@@ -145,7 +145,7 @@ def side_by_side(
             progress=lambda msg: print(f"{point}, equal tokens: {msg}", flush=True),
         )
         # Natural EOS: each configuration's own answers, under the same budgets and no
-        # per-request seeds (a speculative engine on CPU cannot follow them), so every
+        # per-request seeds (under one seed the engines would still draw differently), so every
         # round of every configuration samples afresh; more rounds, as lengths vary.
         budgets = {"max_tokens": shape.max_tokens}
         natural = run_protocol(

@@ -267,8 +267,8 @@ def _tail_report(per: dict, r: dict) -> list[str]:
         "",
         "Each request makes exactly the tokens a seeded rollout with no speculation gave it "
         f"({_endings(r)}), EOS then ignored, so every configuration does the same work "
-        "(speculative engines on CPU cannot follow per-request seeds: left to chance, the "
-        "longest answers, which set the makespan, differ from run to run). "
+        "(a speculative engine samples with other random draws than the plain one, so even "
+        "under the same seeds its longest answers, which set the makespan, would differ). "
         "Makespan: the rollout's wall time from its first scheduling to its last token; tail "
         f"phase: from the moment {1 - TAIL_FRACTION:.0%} of the requests had finished to the "
         "last. Speedups are no speculation's time over the configuration's (higher is better).",

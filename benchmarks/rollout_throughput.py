@@ -120,8 +120,8 @@ def run(engine: Engine, prompts: list[str], sampling: SamplingSettings, per_requ
 def replay_lengths(plain: Engine, workload: tuple, endings: dict) -> tuple:
     """The tail workload with each request's length fixed to what a seeded rollout with no
     speculation gave it (EOS or its budget): every configuration then makes exactly those
-    tokens, so makespans compare equal work. A speculative engine on CPU cannot follow
-    per-request seeds, so without this each configuration's answers, and the few longest
+    tokens, so makespans compare equal work. A speculative engine samples with other
+    random draws than the plain one, so without this each configuration's answers, and the few longest
     ones that set the makespan, would differ by chance (one run: the longest answer 780 to
     1024 tokens across configurations). `endings` gets how the reference answers ended."""
     section, key, policy, prompts, sampling, per_request = workload

@@ -26,11 +26,13 @@ from vllm_plugin.k_table import every_k_table
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.patches import runner_name
 from vllm_plugin.patches.features import group_drafts_v0_32
+from vllm_plugin.patches.fixes import cpu_seed_rewind_v0_32
 from vllm_plugin.rank_weights import ROLES, agreed_versions, merged_mixed
 from vllm_plugin.settings import engine_dtype
 from vllm_plugin.shm_transfer import BACKEND as TRANSFER_BACKEND
 
 logger = logging.getLogger(__name__)
+SEED_REWIND = vllm_plugin.patch_name(cpu_seed_rewind_v0_32)
 
 # In-process engines alive in this process (they share vLLM's distributed state).
 _LIVE_IN_PROCESS: weakref.WeakSet = weakref.WeakSet()
@@ -389,15 +391,16 @@ class Engine:
         return rollback
 
     def _request_seed(self, seed: int | None) -> int | None:
-        # vLLM 0.32 on CPU cannot combine per-request seeds with speculative decoding
-        # (its rejection sampler rewinds a CPU generator offset, which CPU generators
-        # lack). There, sampling follows the engine-wide seed instead.
-        if seed is None or self.cfg.speculative is None or self._device != "cpu":
+        # On CPU vLLM rewinds a seeded request's generator in a way only CUDA generators
+        # allow, which ends the engine (patches/fixes/cpu_seed_rewind_v0_32.py fixes it);
+        # where that fix does not act, sampling follows the engine-wide seed instead.
+        if seed is None or self._device != "cpu" or SEED_REWIND in self.patches:
             return seed
         if not self._warned_seed:
             logger.warning(
-                "per-request seeds are ignored with speculative decoding on CPU; "
-                "the engine seed (%d) governs sampling",
+                "per-request seeds are ignored on this CPU engine (the plugin's %s fix "
+                "does not act in it); the engine seed (%d) governs sampling",
+                SEED_REWIND,
                 self.cfg.seed,
             )
             self._warned_seed = True

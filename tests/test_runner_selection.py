@@ -27,6 +27,7 @@ CPU_V1_PATCHES = {
     "cpu_expand_kernel_v0_32",
     "cpu_rejection_sample_v0_32",
     "cpu_sampled_drafts_v0_32",
+    "cpu_seed_rewind_v0_32",
 }
 CPU_PATCHES = {"cpu_onednn_release_v0_32", "cpu_compile_cache_v0_32", "cpu_kernel_scan_v0_32"}
 ANY_PATCHES = {"rpc_replies_v0_32"}  # whatever the platform and runner

@@ -71,6 +71,7 @@ def register() -> None:
         cpu_kernel_scan_v0_32,
         cpu_onednn_release_v0_32,
         cpu_rejection_sample_v0_32,
+        cpu_seed_rewind_v0_32,
         rpc_replies_v0_32,
         v2_graph_candidates_v0_32,
     )
@@ -85,6 +86,7 @@ def register() -> None:
         cpu_onednn_release_v0_32,
         cpu_compile_cache_v0_32,
         cpu_kernel_scan_v0_32,
+        cpu_seed_rewind_v0_32,
         free_k0_v0_32,
         group_drafts_v0_32,
         rpc_replies_v0_32,

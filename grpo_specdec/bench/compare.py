@@ -9,8 +9,9 @@ prefix cache; each ratio is the median over rounds with a 95% interval.
 (`bench/tail_shape.py`): each sample its own request with its own length budget, so that
 few requests are left in flight for much of the rollout, as in real GRPO rollouts. There
 every timed run makes exactly the tokens each request made in the warm-up run without
-speculation (EOS then ignored): a speculative engine on CPU cannot follow per-request seeds,
-so left to chance its longest answers, which set the makespan, would differ. That text runs
+speculation (EOS then ignored): a speculative engine samples with other random draws than
+the plain one, so even under the same seeds its longest answers, which set the makespan,
+would differ. That text runs
 on past EOS, where a draft is accepted less (measured on a trained policy: 0.2-0.5 at the
 first position against 0.7-0.8 on real text), and a speculative configuration that drafts
 only in the tail drafts mostly there; `compare.natural_repeats` adds rows (named

@@ -114,8 +114,7 @@ class RolloutSettings(StrictModel):
     seeded: bool = Field(
         False,
         description="seed each prompt's sampling from (seed, its example's index): its samples "
-        "then do not depend on which engine serves it, or beside what (vLLM 0.32 on CPU "
-        "ignores request seeds while speculating)",
+        "then do not depend on which engine serves it, or beside what",
     )
     length_budget: LengthBudget | None = Field(
         None, description="per-sample length budgets (a benchmark shape); none: max_tokens each"
