@@ -108,14 +108,13 @@ def side_by_side(
     latency = profile_latency(json.loads(Path(profile).read_text()))
     questions = [p.question for lvl in (1, 2) for p in make_problems(PROMPTS // 2, 97, lvl)]
     shape = with_budgets(questions, GROUP, CAP, MEDIAN, 0.7, seed=5)
-    scheduling = {"max_num_batched_tokens": len(shape.prompts) * 256}  # prefills in one step
 
     def engine(head: str | None) -> Engine:
         fields = engine_config(cfg, policy, head, profile)
         fields |= {"max_model_len": CAP + 256, "max_num_seqs": len(shape.prompts)}
         if head is None:
             fields["speculative"] = None
-        return Engine(EngineConfig.model_validate(fields), **scheduling)
+        return Engine(EngineConfig.model_validate(fields))
 
     plain, online, initial = engine(None), engine(online_head), engine(initial_head)
     try:

@@ -384,18 +384,13 @@ def main() -> None:
         common = dict(
             model=model, max_model_len=1024, max_num_seqs=max_batch, kv_cache_gib=1.5, seed=0
         )
-        scheduling = {}
         if any(w[0] == "tail" for w in own_workloads):
             common["max_model_len"] = TAIL.cap + 256
-            # vLLM 0.32 on CPU fails a seeded request whose prefill is split over steps:
-            # every engine schedules the tail shape's prefills in one step.
-            scheduling["max_num_batched_tokens"] = len(TAIL.prompts) * 256
         controller = {"policy": "goodput", "profile": str(profile_path)}
         with_group = {**controller, "group": {"enabled": True}}
 
-        def engine(common=common, scheduling=scheduling, **speculative) -> Engine:
-            spec_cfg = speculative or None
-            return Engine(EngineConfig(**common, speculative=spec_cfg), **scheduling)
+        def engine(common=common, **speculative) -> Engine:
+            return Engine(EngineConfig(**common, speculative=speculative or None))
 
         eagle = {"draft": draft, "k": args.k_max, "concurrency_aware": True}
         plain = engine()

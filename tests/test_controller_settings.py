@@ -3,6 +3,7 @@ refused by field."""
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -79,3 +80,35 @@ def test_the_job_names_a_corrupt_profile_before_its_engines_start(tmp_path):
     )
     with pytest.raises(ValueError, match=rf"^latency profile {cut}: not valid JSON"):
         latency_profile(cfg, "policy", "draft", print)
+
+
+def _engine_config(monkeypatch, target: str, draft: str, profile: str):
+    speculative = {"draft": draft, "k": 3, "controller": {"profile": profile}}
+    cfg = tiny_engine_config(target, draft, speculative=speculative)
+    return EngineArgs(**engine_kwargs(monkeypatch, cfg)).create_engine_config()
+
+
+def test_a_profile_named_for_another_engine_is_refused_with_each_difference(
+    monkeypatch, tmp_path, tiny_target, tiny_draft
+):
+    from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
+    from vllm_plugin.settings import find_latency, profile_key
+
+    latency = LatencyModel(HingeLatency(10.0, 0.1, 0.0), LinearCost(1.0, 0.0)).to_dict()
+    key = profile_key(tiny_target, "float32", tiny_draft)
+    path = tmp_path / "p.json"
+
+    def named(**changed):
+        path.write_text(json.dumps({"key": key | changed, "latency": latency}))
+        config = _engine_config(monkeypatch, tiny_target, tiny_draft, str(path))
+        return find_latency(ControllerSettings.of_engine(config), config)
+
+    assert named()[0] is not None
+    # another folder of the same model (a run's checkpoint) is priced alike
+    assert named(model="/runs/x/checkpoints/iter_000005/policy")[0] is not None
+    with pytest.raises(ValueError) as refused:
+        named(dtype="bfloat16", hardware="another CPU")
+    said = str(refused.value)
+    assert said.startswith(f"latency profile {path} was timed for another engine")
+    assert "dtype: profiled bfloat16, this engine float32" in said
+    assert "hardware: profiled another CPU, this engine" in said

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger(__name__)
 
 CONFIG_KEY = "grpo_specdec"  # the settings' key in vLLM's additional_config
 # An environment variable that once held the settings: set, it is refused with the way to
@@ -271,7 +274,37 @@ def find_latency(settings: ControllerSettings, vllm_config):
         return None, missing
     profile = read_profile(path)
     check_engine_shape(profile, path, vllm_config)
+    if settings.profile:
+        check_profile_key(profile, path, key)
     return profile_latency(profile), None
+
+
+# A checkpoint of the profiled model costs what the model did; the rest changes the costs.
+_SAME_COSTS_ANY_MODEL = ("model", "format")
+
+
+def check_profile_key(profile: dict, path: Path, key: dict) -> None:
+    """Refuse a profile named for an engine other than the one it was timed for (its dtype,
+    draft, hardware, tensor-parallel size or draft sampling differ: each difference is
+    named). Another model path is said and let pass: a run's checkpoints, and the
+    folders a trainer saves, are priced as the model they came from."""
+    timed = profile.get("key") or {}
+    fields = sorted((set(timed) | set(key)) - set(_SAME_COSTS_ANY_MODEL))
+    differ = {f: (timed.get(f), key.get(f)) for f in fields if timed.get(f) != key.get(f)}
+    if differ:
+        said = "; ".join(f"{f}: profiled {a}, this engine {b}" for f, (a, b) in differ.items())
+        raise ValueError(
+            f"latency profile {path} was timed for another engine ({said}): run "
+            "`grpo-specdec profile` for this one, or name none (the controller then learns "
+            "its prices from the engine's own steps)"
+        )
+    if timed.get("model") != key["model"]:
+        logger.info(
+            "latency profile %s was timed on %s; this engine serves %s, priced alike",
+            path,
+            timed.get("model"),
+            key["model"],
+        )
 
 
 def read_profile(path: Path) -> dict:
