@@ -3,16 +3,22 @@ the user that runs both.
 
 The trainer writes a safetensors file there and names it in the swap call; the engine
 opens only files inside it. So a caller of the swap route cannot make the server load,
-or probe for, any other file the server can read. The folder is named per user, made
-with mode 0700, and checked (a real directory, owned by this user, mode 0700) on every
-use: one that another local user made first could have a weight file replaced between
-its writing and its loading, so it is refused, never repaired.
+or probe for, any other file the server can read. The folder is named per user in shared
+memory, made with mode 0700, and checked (a real directory, owned by this user, mode 0700)
+on every use. Its name can be guessed, so another local user may have made it first, to
+replace a weight file between its writing and its loading or only to block every swap:
+such a folder is never used nor repaired; the swaps go through a private folder in this
+user's cache instead (on disk, which other users cannot write to), and the log names the
+squatted folder and its owner. Trainer and engine, the same user on one machine, pick the
+same folder either way.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import pwd
 import re
 import shutil
 import stat
@@ -25,30 +31,66 @@ from pathlib import Path
 import torch
 
 from vllm_plugin.manifest import WeightSwapError
+from vllm_plugin.settings import cache_dir
+
+logger = logging.getLogger(__name__)
 
 SHARED_MEMORY = Path("/dev/shm")
+_said: set[Path] = set()  # squatted folders already named in the log
 
 
 def swap_folder() -> Path:
     base = SHARED_MEMORY if SHARED_MEMORY.is_dir() else Path(tempfile.gettempdir())
     folder = base / f"grpo-specdec-{os.getuid()}"
+    problem = _not_private(folder)
+    if problem is None:
+        return folder
+    fallback = cache_dir() / f"swap-{os.getuid()}"
+    fallback.parent.mkdir(parents=True, exist_ok=True)
+    also = _not_private(fallback)
+    if also is not None:
+        raise WeightSwapError(
+            f"the weight swap folder {folder} {problem}, and {fallback} {also}: only a folder "
+            "private to this user keeps weight files from being replaced by others; remove "
+            "them and swap again"
+        )
+    if folder not in _said:
+        _said.add(folder)
+        logger.warning(
+            "the weight swap folder %s %s: weights travel through %s instead (on disk, "
+            "slower than shared memory); remove %s to swap through shared memory again",
+            folder,
+            problem,
+            fallback,
+            folder,
+        )
+    return fallback
+
+
+def _not_private(folder: Path) -> str | None:
+    """What makes `folder` (made if missing) no folder private to this user; None if it is."""
     try:
         folder.mkdir(mode=0o700)
     except FileExistsError:
         pass
     info = folder.lstat()
     if not stat.S_ISDIR(info.st_mode):
-        problem = "is not a directory (a symlink or a file)"
-    elif info.st_uid != os.getuid():
-        problem = f"is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
-    elif stat.S_IMODE(info.st_mode) != 0o700:
-        problem = f"has mode {stat.S_IMODE(info.st_mode):04o}, not 0700"
-    else:
-        return folder
-    raise WeightSwapError(
-        f"the weight swap folder {folder} {problem}: only a folder private to this user "
-        "keeps weight files from being replaced by others; remove it and swap again"
-    )
+        return "is not a directory (a symlink or a file)"
+    if info.st_uid != os.getuid():
+        return (
+            f"is owned by {_user(info.st_uid)} (uid {info.st_uid}), not by this user "
+            f"(uid {os.getuid()})"
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        return f"has mode {stat.S_IMODE(info.st_mode):04o}, not 0700"
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "an unknown user"
 
 
 def open_swap_file(path: str) -> int:

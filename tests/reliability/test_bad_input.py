@@ -277,33 +277,48 @@ def private_base(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_swap_folder_is_made_private_and_refused_when_not(private_base, monkeypatch):
+def test_swap_folder_is_made_private_and_a_squatted_one_is_passed_by(
+    private_base, tmp_path, monkeypatch, caplog
+):
+    """The shared-memory folder's name can be guessed: one that another user made first,
+    or opened to others, is neither used nor repaired; swaps go through a private folder
+    in the user's cache, and the log names the squatted folder and its owner."""
+    import logging
     import os
     import stat
 
+    from vllm_plugin import swap_folder as module
     from vllm_plugin.manifest import WeightSwapError
     from vllm_plugin.swap_folder import swap_folder
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(module, "_said", set())
     folder = swap_folder()
     assert folder == private_base / f"grpo-specdec-{os.getuid()}"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    fallback = tmp_path / "cache" / "grpo-specdec" / f"swap-{os.getuid()}"
 
     folder.chmod(0o777)  # opened to others (or made so by whoever made it first)
-    with pytest.raises(WeightSwapError, match=f"swap folder {folder} has mode 0777, not 0700"):
-        swap_folder()
-    assert stat.S_IMODE(folder.stat().st_mode) == 0o777  # refused, not repaired
+    with caplog.at_level(logging.WARNING, logger=module.__name__):
+        assert swap_folder() == fallback
+    assert f"swap folder {folder} has mode 0777, not 0700" in caplog.text
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777  # not repaired
+    assert stat.S_IMODE(fallback.stat().st_mode) == 0o700
     folder.rmdir()
 
     elsewhere = private_base / "elsewhere"
     elsewhere.mkdir(mode=0o700)
     folder.symlink_to(elsewhere)
-    with pytest.raises(WeightSwapError, match=f"swap folder {folder} is not a directory"):
-        swap_folder()
+    assert swap_folder() == fallback
 
-    monkeypatch.setattr(os, "getuid", lambda: 4242)  # another user, whose folder name is taken
+    # Seen as another user (uid 4242), whose names here were all taken by this one: the
+    # owner is named, and with no private folder left the swap is refused.
+    monkeypatch.setattr(os, "getuid", lambda: 4242)
     (private_base / "grpo-specdec-4242").mkdir(mode=0o700)
     with pytest.raises(
-        WeightSwapError, match=r"is owned by uid \d+, not by this user \(uid 4242\)"
+        WeightSwapError,
+        match=r"grpo-specdec-4242 is owned by \S+ \(uid \d+\), not by this user \(uid 4242\)"
+        r".*swap-4242 is owned by",
     ):
         swap_folder()
 
