@@ -100,3 +100,31 @@ def test_text_past_eos_is_no_evidence_against_a_head(engine, tiny_draft, questio
     rollout = engine.generate(prompts, SamplingSettings(max_tokens=40))
     assert rollout.draft_rollback is not None
     assert engine.weight_versions()["draft"] == before
+
+
+def test_the_learner_goes_back_with_the_engine_and_numbers_on(tiny_target, tiny_draft):
+    """After the watch sends an engine back from a collapsed head, the learner learns on
+    from the head the engine went back to, not from the collapse; versions only grow, and
+    a head older than the learner keeps is said to be gone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo_specdec.draft.learner import DraftLearner
+    from grpo_specdec.draft.online import OnlineDraft
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_target)
+    draft = OnlineDraft(tiny_target, tiny_draft, train={"lr": 3e-3})
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, 200, (8, 40), generator=g).tolist()
+    heads = {}
+    for _ in range(DraftLearner.KEPT):
+        draft.learn_from(policy, rows, [8] * len(rows))
+        heads[draft.version] = draft.learner.head.export_state_dict()
+    first, last = min(heads), max(heads)
+    assert draft.learner.return_to(first)
+    for name, tensor in draft.learner.head.export_state_dict().items():
+        assert torch.equal(tensor, heads[first][name]), name
+    draft.learn_from(policy, rows, [8] * len(rows))
+    assert draft.version == last + 1
+    assert not draft.learner.return_to(last)  # the collapsed lineage is dropped
+    assert not draft.learner.return_to(0)  # older than the heads kept

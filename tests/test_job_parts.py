@@ -14,6 +14,7 @@ import pytest
 import torch
 from ray.exceptions import RayTaskError
 
+from grpo_specdec.draft_watch import Rollback
 from grpo_specdec.job.batches import batch_at
 from grpo_specdec.job.checkpoints import Checkpointer
 from grpo_specdec.job.config import CompareSettings, RolloutSettings
@@ -319,7 +320,7 @@ def test_iteration_record_carries_sync_times_and_the_draft_lag():
 
     spec = {"acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "per_position_acceptance": []}
     rollout = Rollout([[1]], [[[2, 3], [4]]], [["a", "b"]], spec, 0.5, {0: 1, 2: 3})
-    rollout.draft_rollbacks = ["draft head version 3 had 0.010 of 300 drafts accepted ..."]
+    rollout.draft_rollbacks = [Rollback(3, 2, 0.01, 0.6, 300)]
     record = iteration_record(
         4,
         torch.tensor([[1.0, 0.0]]),
@@ -342,7 +343,7 @@ def test_iteration_record_carries_sync_times_and_the_draft_lag():
     assert record["policy_loss"] == 0.25 and record["policy_steps"] == 1
     assert record["draft_loss"] == 1.5 and record["draft_version"] == 3
     assert "draft_swap_error" not in record
-    assert record["draft_rollbacks"] == rollout.draft_rollbacks  # the engine's watch
+    assert record["draft_rollbacks"] == [rollout.draft_rollbacks[0].describe()]  # the watch's
 
 
 def test_rollouts_made_one_after_another_add_their_times_and_keep_the_last_history():
@@ -365,8 +366,8 @@ def test_rollouts_made_one_after_another_add_their_times_and_keep_the_last_histo
     assert chained.sources == {"model_draft_tokens": 12, "group_history_positions": 25}
     side_by_side = Rollout.gather([first, second])
     assert side_by_side.wall_s == 3.0 and side_by_side.sources["group_history_positions"] == 35
-    second.draft_rollbacks = ["back to version 2"]
-    assert Rollout.chain([first, second]).draft_rollbacks == ["back to version 2"]
+    second.draft_rollbacks = [Rollback(3, 2, 0.01, 0.6, 300)]
+    assert Rollout.chain([first, second]).draft_rollbacks == second.draft_rollbacks
 
 
 def test_an_engine_the_driver_starts_logs_to_the_file_too(tmp_path):

@@ -9,6 +9,7 @@ import copy
 import os
 import random
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +69,13 @@ class DraftLearner:
     """Trains the head on each rollout's hidden states and numbers the heads it makes (the
     one owner of the draft version): `init` a head folder to continue from, else a new head
     of `new_head_kind` ("eagle": the target's last layer; "eagle3": three of its layers).
-    `resume_from`: a folder `save` wrote, whose state it continues."""
+    `resume_from`: a folder `save` wrote, whose state it continues.
+
+    It keeps the state behind its last KEPT heads, so that when an engine's draft watch
+    (draft_watch.py) goes back from a collapsed head to an older one, learning goes back
+    there too (`return_to`) instead of training on from the collapse."""
+
+    KEPT = 3
 
     def __init__(
         self,
@@ -101,6 +108,7 @@ class DraftLearner:
             self.load(Path(resume_from))
             self.resumed_from = str(resume_from)
         self._last_good = copy.deepcopy(self.trainer.state_dict())
+        self._kept: OrderedDict[int, dict] = OrderedDict({self.version: self._last_good})
 
     def train(self, *shards: DraftData, after_version: int = 0) -> DraftRound:
         """Train on one rollout: the hidden states of every policy rank's shard.
@@ -124,6 +132,9 @@ class DraftLearner:
             self.version = max(self.version, after_version) + 1
             self.trained_on_policy = data.policy_version
             self._last_good = copy.deepcopy(self.trainer.state_dict())
+            self._kept[self.version] = self._last_good
+            while len(self._kept) > self.KEPT:
+                self._kept.popitem(last=False)
         return DraftRound(
             steps,
             self.trainer.skipped_steps,
@@ -133,6 +144,21 @@ class DraftLearner:
             self.version,
             means,
         )
+
+    def return_to(self, version: int) -> bool:
+        """Learn on from head `version` (its weights and optimiser state), an engine having
+        gone back to it; the next head is numbered above every one made so far. False where
+        that head is no longer kept (learning goes on from the newest)."""
+        state = self._kept.get(version)
+        if state is None:
+            return False
+        skipped = self.trainer.skipped_steps
+        self.trainer.load_state_dict(copy.deepcopy(state))
+        self.trainer.skipped_steps = skipped
+        self._last_good = state
+        for newer in [v for v in self._kept if v > version]:
+            del self._kept[newer]  # the collapsed lineage
+        return True
 
     def export(self) -> tuple[dict[str, torch.Tensor], dict[str, str], int, int]:
         """(weights, metadata, draft version, policy version it was trained on)."""

@@ -183,6 +183,13 @@ class Roles:
             ],
         )
 
+    def return_draft_to(self, version: int) -> bool:
+        """The draft learner back on head `version`, where an engine went back to it; False
+        where no learner trains the draft or it no longer holds that head."""
+        if self.draft is None:
+            return False
+        return self.wait("a draft return", [self.draft.return_to.remote(version)])[0]
+
     def learn(self, batch: PolicyBatch, draft_version: int) -> Learning:
         """Both learners start on one rollout: the policy ranks' forward and update, and
         beside them the draft's training on the hidden states of that forward."""

@@ -54,7 +54,7 @@ def iteration_record(
         **(rollout.sources or {}),
         "engine_policy_version": versions["policy"],
         "engine_draft_version": versions["draft"],
-        "draft_rollbacks": rollout.draft_rollbacks,
+        "draft_rollbacks": [r.describe() for r in rollout.draft_rollbacks],
         **policy.record(),
         **(draft.record() if draft is not None else {}),
     }

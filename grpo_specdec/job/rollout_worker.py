@@ -7,6 +7,7 @@ import copy
 from collections import Counter
 from dataclasses import dataclass, field
 
+from grpo_specdec.draft_watch import Rollback
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings, SpecCounters
 from vllm_plugin.controller import FixedPolicy
 
@@ -38,8 +39,8 @@ class Rollout:
     sources: dict | None = None
     finished_s: list[float] | None = None  # per request, its last token's time into the rollout
     # The engine's returns to a replaced draft head after this rollout's drafts showed the
-    # head just swapped in had collapsed (draft_watch.py), as sentences.
-    draft_rollbacks: list[str] = field(default_factory=list)
+    # head just swapped in had collapsed (draft_watch.py).
+    draft_rollbacks: list[Rollback] = field(default_factory=list)
     # Steps per k in each range of running requests ("4-7": {"0": 3, "2": 11}).
     k_by_batch: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -160,7 +161,7 @@ class RolloutWorker:
             k_steps,
             before and _source_counts(before, self.engine.group_draft_stats()),
             res.finished_s,
-            [res.draft_rollback.describe()] if res.draft_rollback else [],
+            [res.draft_rollback] if res.draft_rollback else [],
             k_by_batch(trace),
         )
 

@@ -122,7 +122,17 @@ class Job:
         examples, rollout, per_engine, rewards, correct = self._roll_out()
         seconds["generation"] = lap()
         for rollback in rollout.draft_rollbacks:
-            self.log(f"iteration {self.iteration + 1}: {rollback}")
+            # The draft learner goes back with the engine, or it would train on from the
+            # collapsed head and publish its descendants.
+            returned = self.roles.return_draft_to(rollback.to)
+            self.log(
+                f"iteration {self.iteration + 1}: {rollback.describe()}; the draft learner "
+                + (
+                    f"learns on from version {rollback.to}"
+                    if returned
+                    else f"no longer holds version {rollback.to} and learns on from its newest"
+                )
+            )
 
         advantages, informative = group_advantages(rewards)
         informative = first_informative(informative, self.cfg.rollout.prompts_per_iteration)
