@@ -104,3 +104,35 @@ class DraftWatch:
         """The fallback serves again; returns it."""
         head, self.serving, self.fallback = self.fallback, self.fallback, None
         return head
+
+
+class SlowDecline:
+    """A head that loses acceptance a little at a time never trips the collapse rule above,
+    which compares each head with the one before it. This compares the acceptance at the
+    first draft position (which the controller's choice of k does not change) over the last
+    `window` rollouts with the best such window so far, and says so once when it has fallen
+    below `ratio` of it (again only after it recovered). It says, it does not act: a policy
+    that learns to answer differently lowers acceptance as surely as a worse head does."""
+
+    def __init__(self, window: int = 3, ratio: float = 0.75):
+        self.window, self.ratio = window, ratio
+        self.recent: list[float] = []
+        self.best: float | None = None
+        self.alarmed = False
+
+    def observe(self, first_position_rate: float) -> str | None:
+        self.recent = [*self.recent, first_position_rate][-self.window :]
+        if len(self.recent) < self.window:
+            return None
+        now = sum(self.recent) / self.window
+        self.best = now if self.best is None else max(self.best, now)
+        low = now < self.ratio * self.best
+        said = low and not self.alarmed
+        self.alarmed = low
+        if not said:
+            return None
+        return (
+            f"draft acceptance at the first position has fallen to {now:.3f} over the last "
+            f"{self.window} rollouts, below {self.ratio:.0%} of its best ({self.best:.3f}): "
+            "the head lags the policy, or the policy's answers changed"
+        )

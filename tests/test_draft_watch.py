@@ -128,3 +128,19 @@ def test_the_learner_goes_back_with_the_engine_and_numbers_on(tiny_target, tiny_
     assert draft.version == last + 1
     assert not draft.learner.return_to(last)  # the collapsed lineage is dropped
     assert not draft.learner.return_to(0)  # older than the heads kept
+
+
+def test_a_slow_decline_is_said_once_per_fall():
+    """No step falls by half (no rollback), but over rollouts acceptance drifts from 0.6 to
+    0.4: said once when the last three fall below 75% of the best three, not while it stays
+    low, again after a recovery and a second fall; ordinary noise never."""
+    from grpo_specdec.draft_watch import SlowDecline
+
+    watch = SlowDecline()
+    noisy = [0.6, 0.55, 0.62, 0.52, 0.6, 0.5, 0.58]
+    assert [watch.observe(r) for r in noisy] == [None] * len(noisy)
+    said = [watch.observe(r) for r in (0.5, 0.45, 0.42, 0.4, 0.4, 0.38)]
+    assert [s is not None for s in said] == [False, False, False, True, False, False]
+    assert "fallen to 0.423 over the last 3 rollouts" in said[3] and "best (0.590)" in said[3]
+    back = [watch.observe(r) for r in (0.6, 0.6, 0.6, 0.4, 0.4, 0.4)]
+    assert [s is not None for s in back] == [False] * 5 + [True]

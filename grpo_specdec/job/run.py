@@ -23,6 +23,7 @@ import torch
 
 from grpo_specdec.bench.compare import compare_rollout
 from grpo_specdec.draft.formats import ready_head
+from grpo_specdec.draft_watch import SlowDecline
 from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, report_line
 from grpo_specdec.grpo.core import first_informative, group_advantages
 from grpo_specdec.job.actors import start_ray
@@ -105,6 +106,7 @@ class Job:
             self.iteration, self.cursor = 0, 0
             random.seed(self.cfg.seed)
         self.draft_version = self.roles.start(ckpt)  # the newest draft version issued
+        self.decline = SlowDecline()
         truncate_records(self.out / "metrics.jsonl", self.iteration)
         truncate_records(self.out / "eval.jsonl", self.iteration)
 
@@ -121,18 +123,7 @@ class Job:
         seconds, lap = {}, _stopwatch()
         examples, rollout, per_engine, rewards, correct = self._roll_out()
         seconds["generation"] = lap()
-        for rollback in rollout.draft_rollbacks:
-            # The draft learner goes back with the engine, or it would train on from the
-            # collapsed head and publish its descendants.
-            returned = self.roles.return_draft_to(rollback.to)
-            self.log(
-                f"iteration {self.iteration + 1}: {rollback.describe()}; the draft learner "
-                + (
-                    f"learns on from version {rollback.to}"
-                    if returned
-                    else f"no longer holds version {rollback.to} and learns on from its newest"
-                )
-            )
+        watched = self._watch_drafts(rollout)
 
         advantages, informative = group_advantages(rewards)
         informative = first_informative(informative, self.cfg.rollout.prompts_per_iteration)
@@ -167,7 +158,29 @@ class Job:
             draft,
             published,
         )
-        return record | {"gen_batches": batches}
+        return record | {"gen_batches": batches} | watched
+
+    def _watch_drafts(self, rollout: Rollout) -> dict:
+        """The engine's draft rollbacks reach the draft learner, which goes back with it (or
+        it would train on from the collapsed head and publish its descendants); a slow
+        decline of acceptance, which no rollback catches, is said. -> record fields."""
+        running = self.iteration + 1
+        for rollback in rollout.draft_rollbacks:
+            returned = self.roles.return_draft_to(rollback.to)
+            self.log(
+                f"iteration {running}: {rollback.describe()}; the draft learner "
+                + (
+                    f"learns on from version {rollback.to}"
+                    if returned
+                    else f"no longer holds version {rollback.to} and learns on from its newest"
+                )
+            )
+        first = rollout.spec.get("per_position_acceptance") or []
+        decline = self.decline.observe(first[0]) if first else None
+        if decline is None:
+            return {}
+        self.log(f"iteration {running}: {decline}")
+        return {"draft_decline": decline}
 
     def _roll_out(self) -> tuple[list, Rollout, list[Rollout], torch.Tensor, torch.Tensor]:
         """This iteration's batch rolled out, and with rollout.max_gen_batches > 1 (DAPO's
