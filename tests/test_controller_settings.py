@@ -112,3 +112,11 @@ def test_a_profile_named_for_another_engine_is_refused_with_each_difference(
     assert said.startswith(f"latency profile {path} was timed for another engine")
     assert "dtype: profiled bfloat16, this engine float32" in said
     assert "hardware: profiled another CPU, this engine" in said
+    with pytest.raises(
+        ValueError, match="draft_sampling: profiled probabilistic, this engine greedy"
+    ):
+        named(draft_sampling="probabilistic")
+    # a profile written by hand names no engine: nothing to compare
+    path.write_text(json.dumps({"latency": latency}))
+    config = _engine_config(monkeypatch, tiny_target, tiny_draft, str(path))
+    assert find_latency(ControllerSettings.of_engine(config), config)[0] is not None

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, free_port, scrambled
+from tests.conftest import ROOT, free_port, plugin_log_lines, scrambled
 from tests.test_readme import section_commands
 from vllm_plugin.settings import CONFIG_KEY
 
@@ -55,6 +55,7 @@ def profile_settings(profile: str) -> list[str]:
 
 
 API_KEY = "test-token"
+WEIGHTS_TOKEN = "test-weights-token"  # the swap route's own
 # The plugin's swap route is an endpoint plugin: vLLM loads those only when named here
 # (which also names the general plugins allowed to load).
 PLUGINS = {"VLLM_PLUGINS": "grpo_specdec,grpo_specdec_weights"}
@@ -97,6 +98,7 @@ def server(tiny_target, tiny_draft, job_profile, fail_loads, tmp_path_factory):
     env = {
         **PLUGINS,
         "GRPO_TEST_FAIL_LOADS": str(fail_loads),
+        "GRPO_SPECDEC_WEIGHTS_TOKEN": WEIGHTS_TOKEN,
         "PYTHONPATH": str(ROOT),
         # vLLM's RL routes too (and its other dev routes, none of them key-checked), for a
         # trainer speaking vLLM's own client
@@ -197,7 +199,12 @@ def test_weights_swap_into_the_served_engine_only_with_the_token(server, tiny_ta
     for method in ("POST", "GET"):
         assert _status(server, method, {}) == 401
         assert _status(server, method, {"Authorization": "Bearer wrong"}) == 401
-    weights = ServedWeights(server, API_KEY)
+    # The inference key does not change weights: a swap needs the route's own token too.
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    assert _status(server, "POST", key) == 403
+    assert _status(server, "POST", key | {"X-Weights-Token": API_KEY}) == 403
+    assert _status(server, "POST", key | {"X-Weights-Token": WEIGHTS_TOKEN}) == 400  # no file
+    weights = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
     assert weights.versions() == {"policy": 0, "draft": 0}
 
     original = load_file(Path(tiny_target) / "model.safetensors")
@@ -225,7 +232,11 @@ def _post_swap(url: str, body: dict) -> tuple[int, dict]:
         f"{url}/v1/grpo/weights",
         data=json.dumps(body).encode(),
         method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {API_KEY}",
+            "X-Weights-Token": WEIGHTS_TOKEN,
+        },
     )
     try:
         with urllib.request.urlopen(request) as response:
@@ -254,7 +265,7 @@ def test_the_swap_route_loads_only_files_in_the_private_swap_folder(server, tiny
             assert f"swap folder {swap_folder()}" in answer["error"], answer
     finally:
         link.unlink()
-    assert ServedWeights(server, API_KEY).versions()["policy"] != 31
+    assert ServedWeights(server, API_KEY, WEIGHTS_TOKEN).versions()["policy"] != 31
 
 
 def test_a_timed_out_swap_leaves_no_file_and_a_whole_engine(server, tiny_target, questions):
@@ -264,11 +275,13 @@ def test_a_timed_out_swap_leaves_no_file_and_a_whole_engine(server, tiny_target,
     from vllm_plugin.swap_folder import swap_folder
 
     original = load_file(Path(tiny_target) / "model.safetensors")
-    weights = ServedWeights(server, API_KEY)
+    weights = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
     version = weights.versions()["policy"]
     before = _greedy(server, tiny_target, questions[:4])
     with pytest.raises(RuntimeError, match="no answer from .* versions\\(\\) says which"):
-        ServedWeights(server, API_KEY, timeout_s=0.001).swap("policy", _noisy(original, 1), 50)
+        ServedWeights(server, API_KEY, WEIGHTS_TOKEN, timeout_s=0.001).swap(
+            "policy", _noisy(original, 1), 50
+        )
     assert not list(swap_folder().glob("policy-v50-*"))  # removed, whether loaded or not
     # Loaded or refused (no file), never a mix: a swap after it succeeds, completions answer.
     assert weights.versions()["policy"] in (version, 50)
@@ -292,7 +305,7 @@ def test_requests_in_flight_during_a_swap_use_no_kv_of_the_old_weights(
     from vllm_plugin.served_weights import ServedWeights
 
     client = OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
-    weights = ServedWeights(server, API_KEY)
+    weights = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
     original = load_file(Path(tiny_target) / "model.safetensors")
     noisy = _noisy(original, 2)
     # Over two KV blocks (128 tokens each on CPU): with EAGLE, vLLM reuses all cached blocks
@@ -344,7 +357,7 @@ def test_a_served_engine_with_mixed_weights_refuses_completions_until_that_role_
     from vllm_plugin.served_weights import ServedWeights
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
-    weights = ServedWeights(server, API_KEY)
+    weights = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
     original = load_file(Path(tiny_target) / "model.safetensors")
     before = _greedy(server, tiny_target, questions[:4])
     in_flight = client.completions.create(
@@ -433,7 +446,7 @@ def test_vllms_http_client_pushes_a_draft_through_vllms_rl_routes(
     from vllm_plugin.served_weights import ServedWeights
 
     trained = load_file(Path(tiny_draft) / "model.safetensors")
-    versions = ServedWeights(server, API_KEY)
+    versions = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
     before = _greedy(server, tiny_target, questions[:8])
     _push_draft(server, scrambled(trained), 80)
     assert versions.versions()["draft"] == 80
@@ -451,28 +464,53 @@ def test_vllms_http_client_pushes_a_draft_through_vllms_rl_routes(
     assert _greedy(server, tiny_target, questions[:8]) == before
 
 
-def test_the_swap_route_refuses_to_start_without_an_api_key(monkeypatch):
+def test_the_swap_route_refuses_to_start_without_its_keys_and_says_dev_mode_opens_it(
+    monkeypatch, caplog
+):
     import asyncio
+    import logging
     from argparse import Namespace
 
     from starlette.datastructures import State
     from vllm.config import WeightTransferConfig
 
+    from grpo_specdec.vllm_compat import reread_environment
     from vllm_plugin.weights_endpoint import WeightsEndpoint
 
     def engine(config):
         return Namespace(vllm_config=Namespace(weight_transfer_config=config))
 
+    def start(served, api_key):
+        state = State()
+        asyncio.run(WeightsEndpoint().init_state(served, state, Namespace(api_key=api_key)))
+        return state
+
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    monkeypatch.setenv("GRPO_SPECDEC_WEIGHTS_TOKEN", WEIGHTS_TOKEN)
     with pytest.raises(RuntimeError, match="start vllm serve with --api-key"):
-        asyncio.run(WeightsEndpoint().init_state(object(), State(), Namespace(api_key=None)))
+        start(object(), None)
+    # The inference key may not change weights: the route needs a token of its own.
+    monkeypatch.delenv("GRPO_SPECDEC_WEIGHTS_TOKEN")
+    with pytest.raises(RuntimeError, match="set GRPO_SPECDEC_WEIGHTS_TOKEN to a token of its own"):
+        start(engine(WeightTransferConfig(backend="grpo_shm")), ["k"])
+    monkeypatch.setenv("GRPO_SPECDEC_WEIGHTS_TOKEN", "k")
+    with pytest.raises(RuntimeError, match="not the API key"):
+        start(engine(WeightTransferConfig(backend="grpo_shm")), ["k"])
+    monkeypatch.setenv("GRPO_SPECDEC_WEIGHTS_TOKEN", WEIGHTS_TOKEN)
     # Without a transfer engine every swap would fail inside the workers (a 500): the route
     # refuses to start, naming the flag.
     with pytest.raises(RuntimeError, match='--weight-transfer-config \'{"backend": "grpo_shm"}\''):
-        asyncio.run(WeightsEndpoint().init_state(engine(None), State(), Namespace(api_key=["k"])))
-    state, served = State(), engine(WeightTransferConfig(backend="grpo_shm"))
-    asyncio.run(WeightsEndpoint().init_state(served, state, Namespace(api_key=["k"])))
-    assert state.grpo_engine is served
+        start(engine(None), ["k"])
+    served = engine(WeightTransferConfig(backend="grpo_shm"))
+    states = []
+    assert not plugin_log_lines(caplog, logging.ERROR, lambda: states.append(start(served, ["k"])))
+    assert states[0].grpo_engine is served
+    # vLLM's dev routes take no key: beside them the route's keys guard nothing.
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    reread_environment()  # vLLM caches its variables once an engine ran in this process
+    (said,) = plugin_log_lines(caplog, logging.ERROR, lambda: start(served, ["k"]))
+    assert said.startswith("VLLM_SERVER_DEV_MODE is set")
 
 
 def test_trl_vllm_serve_runs_the_plugin(tiny_target, tiny_draft, job_profile, questions, tmp_path):

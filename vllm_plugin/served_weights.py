@@ -1,10 +1,12 @@
 """Swap weights into a `vllm serve` engine on this machine, from another process (a
 trainer next to the server), through the plugin's token-checked `/v1/grpo/weights`
-route (`vllm_plugin.weights_endpoint`)."""
+route (`vllm_plugin.weights_endpoint`): the API key, and for a swap the server's weights
+token (default: GRPO_SPECDEC_WEIGHTS_TOKEN, as the server reads it)."""
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 
@@ -12,17 +14,29 @@ import torch
 
 from vllm_plugin.swap_folder import swap_file
 
+# The route's own token (not the API key): the server reads it from TOKEN_ENV, a swap
+# carries it in TOKEN_HEADER.
+TOKEN_ENV = "GRPO_SPECDEC_WEIGHTS_TOKEN"
+TOKEN_HEADER = "X-Weights-Token"
+
 
 class ServedWeights:
-    def __init__(self, url: str, api_key: str, timeout_s: float = 600.0):
+    def __init__(
+        self, url: str, api_key: str, weights_token: str | None = None, timeout_s: float = 600.0
+    ):
         self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
+        self.weights_token = weights_token or os.environ.get(TOKEN_ENV, "")
 
     def _call(self, method: str, body: dict | None = None) -> dict:
         request = urllib.request.Request(
             f"{self.url}/v1/grpo/weights",
             data=None if body is None else json.dumps(body).encode(),
             method=method,
-            headers={"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"},
+            headers={
+                "Authorization": f"Bearer {self.api_key}",
+                "Content-Type": "application/json",
+                TOKEN_HEADER: self.weights_token,
+            },
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:

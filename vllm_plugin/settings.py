@@ -281,6 +281,7 @@ def find_latency(settings: ControllerSettings, vllm_config):
 
 # A checkpoint of the profiled model costs what the model did; the rest changes the costs.
 _SAME_COSTS_ANY_MODEL = ("model", "format")
+_UNNAMED = {"draft_sampling": "greedy"}  # what a key that does not name a field means
 
 
 def check_profile_key(profile: dict, path: Path, key: dict) -> None:
@@ -288,9 +289,14 @@ def check_profile_key(profile: dict, path: Path, key: dict) -> None:
     draft, hardware, tensor-parallel size or draft sampling differ: each difference is
     named). Another model path is said and let pass: a run's checkpoints, and the
     folders a trainer saves, are priced as the model they came from."""
-    timed = profile.get("key") or {}
-    fields = sorted((set(timed) | set(key)) - set(_SAME_COSTS_ANY_MODEL))
-    differ = {f: (timed.get(f), key.get(f)) for f in fields if timed.get(f) != key.get(f)}
+    timed = profile.get("key")
+    if not timed:
+        return  # written by hand: nothing to compare
+    # What the profile's key names (older formats name less), and the draft sampling, which
+    # a key names only where it is not greedy.
+    fields = sorted((set(timed) | {"draft_sampling"}) - set(_SAME_COSTS_ANY_MODEL))
+    said = {f: (timed.get(f, _UNNAMED.get(f)), key.get(f, _UNNAMED.get(f))) for f in fields}
+    differ = {f: pair for f, pair in said.items() if pair[0] != pair[1]}
     if differ:
         said = "; ".join(f"{f}: profiled {a}, this engine {b}" for f, (a, b) in differ.items())
         raise ValueError(

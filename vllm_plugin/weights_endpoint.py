@@ -2,10 +2,14 @@
 
 A `vllm.endpoint_plugins` entry point, `grpo_specdec_weights`, which vLLM loads only when
 VLLM_PLUGINS names it. It refuses to start without an API key (`--api-key` or
-VLLM_API_KEY): vLLM checks the key on /v1 routes, so every call needs the token, and no
-server exposes weight loading to whoever can reach its port. vLLM's own weight-update
-routes (`/start_weight_update` ..., mounted only under VLLM_SERVER_DEV_MODE beside its
-other dev routes) are outside that check: this route is the same update behind the key.
+VLLM_API_KEY), which vLLM checks on /v1 routes, and without a weights token of its own
+(GRPO_SPECDEC_WEIGHTS_TOKEN), which a swap must also carry (`X-Weights-Token`): whoever
+may ask the server for completions may not thereby change its weights, and no server
+exposes weight loading to whoever can reach its port. vLLM's own weight-update routes
+(`/start_weight_update` ..., mounted only under VLLM_SERVER_DEV_MODE beside its other dev
+routes, `/collective_rpc` among them) are outside every check: this route is the same
+update behind the keys, and a server started in dev mode beside it says at ERROR that its
+weights are open to anyone.
 
 The body names a safetensors file that a trainer on the server's machine, run by the
 server's user, wrote to the private swap folder (`vllm_plugin.served_weights.ServedWeights`):
@@ -28,6 +32,8 @@ engine stays paused until then.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import logging
 import os
 from typing import Literal
 
@@ -37,11 +43,14 @@ from pydantic import BaseModel, Field
 
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.rank_weights import agreed_versions, merged_mixed
+from vllm_plugin.served_weights import TOKEN_ENV, TOKEN_HEADER
 from vllm_plugin.shm_transfer import BACKEND
 from vllm_plugin.weight_update import AsyncEngineClient, run_update
 
 ROUTE = "/v1/grpo/weights"
 router = APIRouter()
+# under vLLM's "vllm" logger, whose handler prints to the server's console
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 class SwapRequest(BaseModel):
@@ -76,6 +85,12 @@ async def _update(engine, body: SwapRequest) -> dict:
 @router.post(ROUTE)
 async def swap_weights(body: SwapRequest, request: Request):
     state = request.app.state
+    given = request.headers.get(TOKEN_HEADER, "")
+    if not hmac.compare_digest(given.encode(), state.grpo_weights_token.encode()):
+        return JSONResponse(
+            {"error": f"a weight swap needs the server's weights token in {TOKEN_HEADER}"},
+            status_code=403,
+        )
     engine = state.grpo_engine
     async with state.grpo_swap_lock:
         await engine.pause_generation(mode="keep", clear_cache=False)
@@ -162,8 +177,25 @@ class WeightsEndpoint:
                 "the grpo_specdec_weights endpoint loads weights: start vllm serve with "
                 "--api-key (or VLLM_API_KEY) so that only holders of the key can call it"
             )
+        token = os.environ.get(TOKEN_ENV, "")
+        if not token or token in (args.api_key or []) or token == os.environ.get("VLLM_API_KEY"):
+            raise RuntimeError(
+                f"the grpo_specdec_weights endpoint loads weights: set {TOKEN_ENV} to a token "
+                "of its own (not the API key), which each swap must carry in "
+                f"{TOKEN_HEADER}, so that those who may ask for completions cannot change "
+                "the weights"
+            )
         if engine_client is None:
             raise RuntimeError("the grpo_specdec_weights endpoint needs an engine")
+        from vllm import envs
+
+        if envs.VLLM_SERVER_DEV_MODE:
+            logger.error(
+                "VLLM_SERVER_DEV_MODE is set: vLLM's /collective_rpc and weight-update routes "
+                "are mounted without any key, so whoever reaches this port can change the "
+                "weights the grpo_specdec_weights route guards; unset it on a server others "
+                "can reach"
+            )
         # Without a transfer engine (no --weight-transfer-config) every swap would fail
         # inside the workers, a 500 naming nothing the user can act on.
         if getattr(engine_client.vllm_config, "weight_transfer_config", None) is None:
@@ -173,6 +205,7 @@ class WeightsEndpoint:
                 f'"{BACKEND}"}}\''
             )
         state.grpo_engine = engine_client
+        state.grpo_weights_token = token
         state.grpo_swap_lock = asyncio.Lock()
         state.grpo_mixed = {}
         state.grpo_stale_cache = None
