@@ -547,10 +547,10 @@ def main(argv: list[str] | None = None) -> None:
     apply_runtime(argv)
     args = build_parser().parse_args(argv)
     from grpo_specdec.config import ConfigError
-    from grpo_specdec.job.restarts import JobStopped
+    from grpo_specdec.job.restarts import CallPastDeadline, JobStopped
 
     try:
         args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, JobStopped) as err:
+    except (ConfigError, ValueError, FileNotFoundError, JobStopped, CallPastDeadline) as err:
         print(f"grpo-specdec: error: {err}", file=sys.stderr)
         sys.exit(2)

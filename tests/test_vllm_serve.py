@@ -93,11 +93,22 @@ def fail_loads(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_target, tiny_draft, job_profile, fail_loads, tmp_path_factory):
+def slow_loads(tmp_path_factory) -> Path:
+    """Write S here and the served engine's next weight load takes S seconds longer."""
+    return tmp_path_factory.mktemp("faults") / "slow-loads"
+
+
+SWAP_DEADLINE_S = 15  # the server's; a tiny model's swap takes well under a second
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_draft, job_profile, fail_loads, slow_loads, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {
         **PLUGINS,
         "GRPO_TEST_FAIL_LOADS": str(fail_loads),
+        "GRPO_TEST_SLOW_LOADS": str(slow_loads),
+        "GRPO_SPECDEC_SWAP_DEADLINE_S": str(SWAP_DEADLINE_S),
         "GRPO_SPECDEC_WEIGHTS_TOKEN": WEIGHTS_TOKEN,
         "PYTHONPATH": str(ROOT),
         # vLLM's RL routes too (and its other dev routes, none of them key-checked), for a
@@ -175,9 +186,9 @@ def _greedy(url: str, model: str, prompts: list[str]) -> list[str]:
     return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
 
 
-def _status(url: str, method: str, headers: dict) -> int:
+def _status(url: str, method: str, headers: dict, path: str = "/v1/grpo/weights") -> int:
     request = urllib.request.Request(
-        f"{url}/v1/grpo/weights",
+        f"{url}{path}",
         data=b'{"role": "policy", "path": "/nonexistent", "version": 9}'
         if method == "POST"
         else None,
@@ -225,6 +236,34 @@ def test_weights_swap_into_the_served_engine_only_with_the_token(server, tiny_ta
 
     weights.swap("policy", original, 3)
     assert _greedy(server, tiny_target, questions[:4]) == before
+
+
+def test_a_swap_past_its_deadline_answers_503_and_the_server_is_unhealthy_until_it_ends(
+    server, tiny_target, slow_loads, questions
+):
+    """A load that hangs (a wedged collective, a slow disk) would hold the caller and keep
+    /health at 200 over a paused engine: past the server's deadline the call answers 503,
+    /health and completions answer 503 until the load ends, then all is well again."""
+    import time
+
+    from safetensors.torch import load_file
+
+    from vllm_plugin.served_weights import ServedWeights
+
+    original = load_file(Path(tiny_target) / "model.safetensors")
+    weights = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
+    slow_loads.write_text(str(SWAP_DEADLINE_S + 10))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"\(503\).*run past the server's 15 s deadline"):
+        weights.swap("policy", original, 60)
+    assert SWAP_DEADLINE_S <= time.monotonic() - start < SWAP_DEADLINE_S + 10
+    assert _status(server, "GET", {}, path="/health") == 503
+    assert _status(server, "POST", {"Authorization": f"Bearer {API_KEY}"}, "/v1/completions") == 503
+    while _status(server, "GET", {}, path="/health") != 200:
+        assert time.monotonic() - start < SWAP_DEADLINE_S + 120, "the swap never ended"
+        time.sleep(1)
+    assert weights.versions()["policy"] == 60  # it ended, and loaded
+    _greedy(server, tiny_target, questions[:2])  # completions answer again
 
 
 def _post_swap(url: str, body: dict) -> tuple[int, dict]:

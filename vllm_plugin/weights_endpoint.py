@@ -27,6 +27,11 @@ failed and whose restore failed too (500, "mixed"), or whose cache reset failed 
 leaves a server that answers 503 to every other POST (completions, chat, ...) until a
 whole swap of that role succeeds; the requests that were in flight are aborted, and the
 engine stays paused until then.
+
+A swap has a deadline (GRPO_SPECDEC_SWAP_DEADLINE_S, 600 s by default): past it the call
+answers 503, and until the swap ends (it cannot be stopped halfway: a load runs in the
+workers) the server answers 503 to `/health` and to every POST, so that a load balancer or
+an orchestrator stops sending it work instead of waiting on a paused engine.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from vllm_plugin.shm_transfer import BACKEND
 from vllm_plugin.weight_update import AsyncEngineClient, run_update
 
 ROUTE = "/v1/grpo/weights"
+HEALTH = "/health"  # vLLM's
+DEADLINE_ENV = "GRPO_SPECDEC_SWAP_DEADLINE_S"
 router = APIRouter()
 # under vLLM's "vllm" logger, whose handler prints to the server's console
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -65,8 +72,9 @@ def _refusal(state) -> str | None:
         f"the {role} weights may be a mix ({why}); a successful {role} swap clears this"
         for role, why in getattr(state, "grpo_mixed", {}).items()
     ]
-    if getattr(state, "grpo_stale_cache", None):
-        reasons.append(state.grpo_stale_cache)
+    for reason in (getattr(state, "grpo_stale_cache", None), getattr(state, "grpo_overdue", None)):
+        if reason:
+            reasons.append(reason)
     return "; ".join(reasons) or None
 
 
@@ -91,6 +99,30 @@ async def swap_weights(body: SwapRequest, request: Request):
             {"error": f"a weight swap needs the server's weights token in {TOKEN_HEADER}"},
             status_code=403,
         )
+    swap = asyncio.create_task(_swap(state, body))
+    state.grpo_swaps.add(swap)  # the event loop holds tasks weakly
+    swap.add_done_callback(state.grpo_swaps.discard)
+    done, _ = await asyncio.wait({swap}, timeout=state.grpo_swap_deadline_s)
+    if done:
+        return swap.result()
+    state.grpo_overdue = (
+        f"a {body.role} swap to version {body.version} has run past the server's "
+        f"{state.grpo_swap_deadline_s:g} s deadline ({DEADLINE_ENV}); generation stays paused "
+        "until it ends"
+    )
+    swap.add_done_callback(lambda ended: _overdue_ended(state, ended))
+    return JSONResponse({"error": state.grpo_overdue, "mixed": False}, status_code=503)
+
+
+def _overdue_ended(state, swap: asyncio.Task) -> None:
+    state.grpo_overdue = None
+    if not swap.cancelled():
+        swap.exception()  # its outcome is in the versions and the state it left
+
+
+async def _swap(state, body: SwapRequest):
+    """The swap with generation paused, one at a time; it runs to its end even when its
+    caller stopped waiting (a load cannot be stopped halfway)."""
     engine = state.grpo_engine
     async with state.grpo_swap_lock:
         await engine.pause_generation(mode="keep", clear_cache=False)
@@ -146,14 +178,17 @@ async def weight_versions(request: Request):
 
 
 class RefuseWhileMixed:
-    """ASGI middleware: 503 to every POST but the swap route while the engine must not
-    generate. It reads the state the swap route keeps, so requests cost no engine call."""
+    """ASGI middleware: 503 to every POST but the swap route, and to `/health`, while the
+    engine must not generate. It reads the state the swap route keeps, so requests cost no
+    engine call."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] != ROUTE:
+        if scope["type"] == "http" and (
+            (scope["method"] == "POST" and scope["path"] != ROUTE) or scope["path"] == HEALTH
+        ):
             why = _refusal(scope["app"].state)
             if why:
                 refusal = {"message": f"refusing to generate: {why}", "type": "Unavailable"}
@@ -209,3 +244,17 @@ class WeightsEndpoint:
         state.grpo_swap_lock = asyncio.Lock()
         state.grpo_mixed = {}
         state.grpo_stale_cache = None
+        state.grpo_overdue = None
+        state.grpo_swaps = set()
+        state.grpo_swap_deadline_s = _deadline_s()
+
+
+def _deadline_s() -> float:
+    text = os.environ.get(DEADLINE_ENV, "600")
+    try:
+        deadline = float(text)
+    except ValueError:
+        deadline = float("nan")
+    if not 0 < deadline < float("inf"):
+        raise RuntimeError(f"{DEADLINE_ENV}={text!r}: a swap's deadline must be seconds above 0")
+    return deadline

@@ -20,6 +20,7 @@ from grpo_specdec.job.checkpoints import replace_dir
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.job.engine_setup import engine_config, engine_seed, latency_profile
 from grpo_specdec.job.learners import PolicyBatch, PolicyRound
+from grpo_specdec.job.restarts import CallPastDeadline
 from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.job.sharding import shard
 from grpo_specdec.job.weight_sync import WeightSync
@@ -87,19 +88,20 @@ class Roles:
             for rank in range(cfg.ray.policy_workers)
         ]
         if len(self.policies) > 1:
-            address = ray.get(self.policies[0].rendezvous.remote())
+            address = self.wait("a policy rank's start", [self.policies[0].rendezvous.remote()])[0]
             world = len(self.policies)
-            get_failing_fast(
-                [p.join.remote(address, rank, world) for rank, p in enumerate(self.policies)]
+            self.wait(
+                "a policy rank's join",
+                [p.join.remote(address, rank, world) for rank, p in enumerate(self.policies)],
             )
         if ckpt is not None:
-            get_failing_fast([p.load.remote(ckpt) for p in self.policies])
+            self.wait("a checkpoint load", [p.load.remote(ckpt) for p in self.policies])
         self.profile = self.profile or latency_profile(cfg, self.base_policy, draft_dir, self.log)
         self.engine_cfg = engine_config(cfg, policy_dir, draft_dir, self.profile)
         # The engines start from the weights the learners hold now: they report their versions.
         learners = {"policy": self.policies[0], "draft": self.draft}
         learners = {role: a for role, a in learners.items() if a is not None}
-        status = ray.get([a.status.remote() for a in learners.values()])
+        status = self.wait("a learner's start", [a.status.remote() for a in learners.values()])
         versions = {role: s["version"] for role, s in zip(learners, status, strict=True)}
         started_at = versions.get("policy", 0)
         self.rollouts = [
@@ -111,7 +113,7 @@ class Roles:
         ]
         self.starts += 1
         # Start-up (model loads, engine compile) must not count in the first iteration's times.
-        ray.get([a.__ray_ready__.remote() for a in self.actors()])
+        self.wait("a role's start", [a.__ray_ready__.remote() for a in self.actors()])
         self.weights = WeightSync(
             self.rollouts, self._served_at_start(versions), self.log, get=self._await_loads
         )
@@ -121,7 +123,7 @@ class Roles:
         head = self.out / "initial_draft"
         staging = self.out / "initial_draft_state"
         shutil.rmtree(staging, ignore_errors=True)
-        ray.get(self.draft.save.remote(staging))
+        self.wait("the initial head's save", [self.draft.save.remote(staging)])
         replace_dir(staging / "draft", head)  # e.g. an earlier run's head
         shutil.rmtree(staging)
         return str(head)
@@ -134,7 +136,7 @@ class Roles:
         served = {"policy": (self.policy_weights(), versions["policy"], None)}
         if self.draft is not None and self.cfg.draft.online:
             weights, meta, _, _ = self.draft.export.options(num_returns=4).remote()
-            served["draft"] = (weights, versions["draft"], ray.get(meta))
+            served["draft"] = (weights, versions["draft"], self.wait("a draft export", [meta])[0])
         return served
 
     def policy_weights(self):
@@ -237,8 +239,8 @@ class Roles:
         for actors in (self.rollouts, self.policies):
             for actor, stopped in zip(actors, [a.shutdown.remote() for a in actors], strict=True):
                 try:
-                    ray.get(stopped)
-                except ray.exceptions.RayActorError:
+                    ray.get(stopped, timeout=self.cfg.ray.call_timeout_s)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     ray.kill(actor, no_restart=True)
         self.placement.remove()
 
@@ -286,11 +288,6 @@ class Learning:
                 )
                 time.sleep(1.0)
                 job = self.roles.draft.train.remote(*self.shards, after_version=self.draft_version)
-
-
-class CallPastDeadline(RuntimeError):
-    """A remote call that did not answer within `ray.call_timeout_s`: its actor is taken as
-    hung, and the job restarts every role as for a dead one."""
 
 
 def get_failing_fast(refs: list, deadline_s: float | None = None, what: str = "a call") -> list:

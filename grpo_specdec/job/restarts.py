@@ -15,6 +15,12 @@ class JobStopped(RuntimeError):
     """The job gave up: the message says why and where it can resume from."""
 
 
+class CallPastDeadline(RuntimeError):
+    """A remote call that did not answer within `ray.call_timeout_s`: its actor is taken as
+    hung. In an iteration the job restarts every role as for a dead one; as the roles start,
+    it stops."""
+
+
 class RestartBudget:
     def __init__(self, per_checkpoint: int, total: int):
         self.per_checkpoint, self.total = per_checkpoint, total

@@ -32,11 +32,11 @@ from grpo_specdec.job.checkpoints import Checkpointer, read_state
 from grpo_specdec.job.config import RewardSettings, TrainConfig
 from grpo_specdec.job.engine_setup import check_context_length
 from grpo_specdec.job.learners import PolicyBatch
-from grpo_specdec.job.lifecycle import CallPastDeadline, Roles
+from grpo_specdec.job.lifecycle import Roles
 from grpo_specdec.job.logs import VllmLog, check_private
 from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_records
 from grpo_specdec.job.models import resolve_model
-from grpo_specdec.job.restarts import RestartBudget
+from grpo_specdec.job.restarts import CallPastDeadline, RestartBudget
 from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.job.run_lock import RunFolderLock
 from grpo_specdec.modelcheck import check_draft_matches_target
