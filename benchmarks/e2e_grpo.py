@@ -64,7 +64,7 @@ SHAPES = {
         "rollout.max_tokens=256",
         "data.levels=[2,3]",
     ],
-    # The tail shape (grpo_specdec/bench/tail_shape.py) in every iteration: levels 1-4, each
+    # The tail shape (grpo_specdec/tasks/length_budgets.py) in every iteration: levels 1-4, each
     # sample its own log-normal budget (median 128) under a 512 cap, so that few requests are
     # left in flight for much of each rollout, as in real GRPO rollouts.
     "tail": [

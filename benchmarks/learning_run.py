@@ -94,13 +94,13 @@ def side_by_side(
     head, fixed k."""
     from benchmarks.rollout_throughput import Config, replay_lengths, run_config
     from grpo_specdec.bench.measure import run_protocol
-    from grpo_specdec.bench.tail_shape import with_budgets
     from grpo_specdec.config import load_yaml
     from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
     from grpo_specdec.job.config import TrainConfig
     from grpo_specdec.job.engine_setup import engine_config, latency_profile
     from grpo_specdec.job.models import resolve_model
     from grpo_specdec.tasks.arithmetic import make_problems
+    from grpo_specdec.tasks.length_budgets import with_budgets
     from vllm_plugin.controller import FixedPolicy, profile_latency
 
     cfg = load_yaml(TrainConfig, CONFIG, [])

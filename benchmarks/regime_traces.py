@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpo_specdec.bench.tail_shape import with_budgets  # noqa: E402
 from grpo_specdec.engine import Engine, EngineConfig  # noqa: E402
 from grpo_specdec.regimes import Request, Rollout, Trace  # noqa: E402
 from grpo_specdec.tasks.arithmetic import make_problems  # noqa: E402
+from grpo_specdec.tasks.length_budgets import with_budgets  # noqa: E402
 from vllm_plugin.controller import FixedPolicy  # noqa: E402
 
 CAP, MEDIAN, SIGMA = 512, 128, 0.7

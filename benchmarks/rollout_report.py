@@ -263,7 +263,7 @@ def _tail_report(per: dict, r: dict) -> list[str]:
     best_fixed = min(fixed, key=lambda n: per[n]["makespan_s"], default=None)
     lines = [
         f"### Tail shape: {tail['prompts']} mixed-level prompts x {tail['group']} samples, T=1, "
-        f"each request its own budget under a {tail['cap']} cap (`grpo_specdec/bench/tail_shape.py`)",
+        f"each request its own budget under a {tail['cap']} cap (`grpo_specdec/tasks/length_budgets.py`)",
         "",
         "Each request makes exactly the tokens a seeded rollout with no speculation gave it "
         f"({_endings(r)}), EOS then ignored, so every configuration does the same work "

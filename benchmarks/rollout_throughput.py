@@ -12,7 +12,7 @@ Workloads:
   `trained` (the policy after --trained-iterations of `grpo-specdec train` at
   --trained-lr, with the head it learnt online; trained here if absent) and `long` (4 x
   16, max 512 tokens);
-- the tail shape (`grpo_specdec/bench/tail_shape.py`: 8 mixed-level prompts x 8 samples, each its
+- the tail shape (`grpo_specdec/tasks/length_budgets.py`: 8 mixed-level prompts x 8 samples, each its
   own request with its own length budget under a 1024 cap), where the last tenth of the
   requests take a quarter of the no-speculation wall time: its makespan and its tail phase
   (after 90% of the requests finished) are reported apart.
@@ -57,10 +57,11 @@ from benchmarks.rollout_report import (
     with_speedups,
 )
 from grpo_specdec.bench.measure import run_protocol
-from grpo_specdec.bench.tail_shape import tail_shape, tokens_after_eos
+from grpo_specdec.bench.tail_shape import tokens_after_eos
 from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES, recommend_table
 from grpo_specdec.tasks.arithmetic import make_problems
+from grpo_specdec.tasks.length_budgets import tail_shape
 from vllm_plugin.acceptance import conditional_from_cumulative
 from vllm_plugin.compat import dense_k_table
 from vllm_plugin.controller import FixedPolicy, LatencyModel, PaperPolicy, profile_latency

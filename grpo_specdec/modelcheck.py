@@ -84,7 +84,7 @@ def draft_method(draft: str | Path) -> str:
 
 
 def check_draft_matches_target(draft: str | Path, target: str | Path) -> None:
-    from grpo_specdec.draft.formats import published_layout
+    from grpo_specdec.draft.layout import published_layout
 
     layout = published_layout(draft)
     if layout is not None:

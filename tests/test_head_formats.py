@@ -221,7 +221,8 @@ def _published(layout, tiny_target, tiny_draft, tiny_reduced_draft, out) -> tupl
 def test_a_published_head_is_recognised_and_imported_once_into_the_cache(
     layout, tiny_target, tiny_draft, tiny_reduced_draft, tmp_path, monkeypatch
 ):
-    from grpo_specdec.draft.formats import published_layout, ready_head
+    from grpo_specdec.draft.formats import ready_head
+    from grpo_specdec.draft.layout import published_layout
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     src, native = _published(layout, tiny_target, tiny_draft, tiny_reduced_draft, tmp_path / "s")

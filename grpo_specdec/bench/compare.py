@@ -6,7 +6,7 @@ the workload, then `compare.repeats` rounds in a seeded shuffled order, each fro
 prefix cache; each ratio is the median over rounds with a 95% interval.
 
 `compare.shape: tail` rolls the next batch's prompts out as the tail shape
-(`bench/tail_shape.py`): each sample its own request with its own length budget, so that
+(`tasks/length_budgets.py`): each sample its own request with its own length budget, so that
 few requests are left in flight for much of the rollout, as in real GRPO rollouts. There
 every timed run makes exactly the tokens each request made in the warm-up run without
 speculation (EOS then ignored): a speculative engine samples with other random draws than
@@ -30,10 +30,11 @@ from pathlib import Path
 import ray
 
 from grpo_specdec.bench.measure import run_protocol, speedup
-from grpo_specdec.bench.tail_shape import tail_phase_s, with_budgets
+from grpo_specdec.bench.tail_shape import tail_phase_s
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.config import CompareSettings
 from grpo_specdec.job.lifecycle import Roles
+from grpo_specdec.tasks.length_budgets import with_budgets
 
 NO_SPEC = "no speculation"
 NATURAL = "natural EOS: "  # the rows of the natural-EOS rounds

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_specdec.bench.tail_shape import with_budgets
 from grpo_specdec.job.config import DataSettings, RolloutSettings
 from grpo_specdec.tasks.datasets import ArithmeticSource, FileSource, PromptTemplate, file_kind
+from grpo_specdec.tasks.length_budgets import with_budgets
 from grpo_specdec.tasks.rewards import RewardKind
 
 

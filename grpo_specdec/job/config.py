@@ -72,7 +72,7 @@ class DataSettings(StrictModel):
 class LengthBudget(StrictModel):
     """Each sample its own seeded log-normal max_tokens (at least 16, at most
     rollout.max_tokens): the tail shape's stand-in for a policy that has learnt to stop
-    (`bench/tail_shape.py`), so that few requests are left in flight for much of a rollout."""
+    (`tasks/length_budgets.py`), so that few requests are left in flight for much of a rollout."""
 
     median: int = Field(ge=16)
     sigma: float = Field(0.7, ge=0)
