@@ -53,12 +53,3 @@ def reread_environment() -> None:
     import vllm.envs as envs
 
     envs.disable_envs_cache()
-
-
-def sample_draft_as_vllm(logits, sampling_metadata):
-    """(draft token ids, q) of one draft position drawn the way vLLM 0.32.0's EAGLE proposer
-    draws sampled drafts over the full vocabulary
-    (`vllm.v1.spec_decode.llm_base_proposer.compute_probs_and_sample_next_token`)."""
-    from vllm.v1.spec_decode.llm_base_proposer import compute_probs_and_sample_next_token
-
-    return compute_probs_and_sample_next_token(logits, sampling_metadata)

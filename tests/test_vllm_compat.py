@@ -23,7 +23,6 @@ from grpo_specdec.engine import Engine, SamplingSettings
 from grpo_specdec.vllm_compat import (
     in_process_scheduler,
     reread_environment,
-    sample_draft_as_vllm,
 )
 from tests.conftest import ROOT, tiny_engine_config
 from vllm_plugin import compat
@@ -134,12 +133,12 @@ def test_vllms_sampled_draft_returns_tokens_and_the_distribution_q():
     assert _parameters(compute_probs_and_sample_next_token)[:2] == ["logits", "sampling_metadata"]
     logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 0.0]])
     meta = SimpleNamespace(all_greedy=True)
-    tokens, _ = sample_draft_as_vllm(logits, meta)
+    tokens, _ = compute_probs_and_sample_next_token(logits, meta)
     assert tokens.tolist() == [1, 0]
     meta = SimpleNamespace(
         all_greedy=False, all_random=True, temperature=torch.ones(2), generators={}
     )
-    tokens, q = sample_draft_as_vllm(logits, meta)
+    tokens, q = compute_probs_and_sample_next_token(logits, meta)
     assert torch.allclose(q, logits.softmax(-1))
     assert tokens.shape == (2,)
 

@@ -8,7 +8,6 @@ learner is draft/learner.py's; JobDraftLearner adds the job's resume.
 
 from __future__ import annotations
 
-import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -350,19 +349,6 @@ class PolicyLearner:
         if self.model.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         return sd
-
-    def memory(self) -> dict[str, int]:
-        """Bytes this rank holds of the policy's parameters, gradients and optimiser
-        state, and the process's peak resident set."""
-        params = list(self.model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        opt = [t for s in self.opt.state.values() for t in s.values() if torch.is_tensor(t)]
-        return {
-            "params": sharding.local_bytes(params),
-            "grads": sharding.local_bytes(grads),
-            "optimizer": sharding.local_bytes(opt),
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        }
 
     def status(self) -> dict:
         return {"version": self.version, "rank": self.rank, "world": self.world}
