@@ -314,8 +314,8 @@ def test_vllm_records_go_to_the_file_and_only_errors_to_the_console(tmp_path, ca
 def test_iteration_record_carries_sync_times_and_the_draft_lag():
     from grpo_specdec.draft.learner import DraftRound
     from grpo_specdec.job.learners import PolicyRound
-    from grpo_specdec.job.lifecycle import Published
     from grpo_specdec.job.metrics import iteration_record
+    from grpo_specdec.job.roles import Published
     from grpo_specdec.job.rollout_worker import Rollout
 
     spec = {"acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "per_position_acceptance": []}

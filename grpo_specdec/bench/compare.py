@@ -33,7 +33,7 @@ from grpo_specdec.bench.measure import run_protocol, speedup
 from grpo_specdec.bench.tail_shape import tail_phase_s
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.config import CompareSettings
-from grpo_specdec.job.lifecycle import Roles
+from grpo_specdec.job.roles import Roles
 from grpo_specdec.tasks.length_budgets import with_budgets
 
 NO_SPEC = "no speculation"

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from grpo_specdec.atomic_file import write_atomic
 from grpo_specdec.draft.learner import DraftRound
 from grpo_specdec.job.learners import PolicyRound
-from grpo_specdec.job.lifecycle import Published
+from grpo_specdec.job.roles import Published
 
 
 def iteration_record(

@@ -6,7 +6,7 @@ hidden states, a shard each) -> data-parallel policy update and draft training s
 side -> new policy and draft weights hot-swapped into every running engine -> metrics; a
 checkpoint every N iterations and at the end.
 
-The pieces: `lifecycle.Roles` (the actors), `weight_sync` (all-or-none swaps),
+The pieces: `roles.Roles` (the actors), `weight_sync` (all-or-none swaps),
 `checkpoints.Checkpointer`, `metrics.MetricsSink`, `batches` (the data cursor),
 `compare` (compare_at_end) and `logs` (vLLM's messages to the run's vllm.log).
 """
@@ -32,11 +32,11 @@ from grpo_specdec.job.checkpoints import Checkpointer, read_state
 from grpo_specdec.job.config import RewardSettings, TrainConfig
 from grpo_specdec.job.engine_setup import check_context_length
 from grpo_specdec.job.learners import PolicyBatch
-from grpo_specdec.job.lifecycle import Roles
 from grpo_specdec.job.logs import VllmLog, check_private
 from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_records
 from grpo_specdec.job.models import resolve_model
 from grpo_specdec.job.restarts import CallPastDeadline, RestartBudget
+from grpo_specdec.job.roles import Roles
 from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.job.run_lock import RunFolderLock
 from grpo_specdec.modelcheck import check_draft_matches_target
