@@ -73,6 +73,9 @@ class Job:
         try:
             self._open(resume, base_policy, base_draft)
         except BaseException:
+            if getattr(self, "roles", None) is not None:  # a start that failed or hung
+                self.roles.kill()
+                self.roles.placement.remove()
             self.lock.release()
             raise
 

@@ -276,6 +276,31 @@ def test_job_recovers_from_faults_and_loses_nothing(
     assert not left, f"weight files left in the swap folder: {left}"
 
 
+class _NeverStarts:
+    """A rollout engine whose start never ends (a model load or a compile that hangs)."""
+
+    def __init__(self, *args, **kwargs):
+        import time
+
+        time.sleep(3600)
+
+
+def test_a_role_that_never_starts_stops_the_job_at_the_deadline(
+    tiny_target, tiny_draft, job_profile, tmp_path, monkeypatch
+):
+    """The roles' start waits under `ray.call_timeout_s` too: a job whose engine never
+    starts stops with one line (it waited for ever before)."""
+    from grpo_specdec.job import actors
+    from grpo_specdec.job.restarts import CallPastDeadline
+    from grpo_specdec.job.run import Job
+
+    monkeypatch.setitem(actors.ROLES, "rollout", _NeverStarts)
+    overrides = [*job_overrides(tiny_target, tiny_draft, job_profile, tmp_path / "run", 1)]
+    cfg = load_yaml(TrainConfig, CONFIG, [*overrides, "eval.every=0", "ray.call_timeout_s=20"])
+    with pytest.raises(CallPastDeadline, match=r"^a role's start did not answer within 20 s"):
+        Job(cfg)
+
+
 def _hang_generation(worker):
     import time
 
