@@ -348,6 +348,36 @@ def test_generate_cli_concurrency_aware(tiny_target, tiny_draft, profile_path, q
     assert spec["drafts"] > 0 and max(int(k) for k in spec["draft_length_hist"]) <= 4
 
 
+class _Alternating(GoodputController):
+    """Proposes 3 drafts, then none, then 3, ...: every step verifies another k than it
+    proposes."""
+
+    def choose(self, batch_size, context=None, requests=()):
+        self.steps += 1
+        return 3 * (self.steps % 2)
+
+
+def test_a_step_is_priced_only_at_a_k_it_both_verifies_and_proposes(aware_engine, questions):
+    """A step's cost is the target's forward over the drafts the step before proposed plus
+    the drafts it proposes: where the two k differ it is neither k's price, and is not
+    timed (priced at the k it proposes, a step verifying nothing and proposing 4 made k = 4
+    look as cheap as k = 0)."""
+    scheduler = aware_engine.scheduler()
+    started_with = scheduler.policy
+    alternating = _Alternating(LATENCY, scheduler.new_acceptance(), 8)
+    steady = GoodputController(LATENCY, scheduler.new_acceptance(), 8)
+    prompts, sampling = _fixed_length(2, questions, tokens=16)
+    try:
+        scheduler.set_policy(alternating)
+        aware_engine.generate(prompts, sampling)
+        scheduler.set_policy(steady)
+        aware_engine.generate(prompts, sampling)
+    finally:
+        scheduler.set_policy(started_with)
+    assert alternating.steps > 4 and alternating.costs.weights.sum() == 0
+    assert steady.costs.weights.sum() > 0
+
+
 def test_the_scheduler_times_its_steps_and_restarts_on_a_cache_reset(aware_engine, questions):
     """Each decode step's time reaches the controller's costs (at the k it ran); a prefix
     cache reset (every weight swap makes one) turns the acceptance evidence into a prior."""
@@ -360,7 +390,12 @@ def test_the_scheduler_times_its_steps_and_restarts_on_a_cache_reset(aware_engin
         mark = scheduler.steps_scheduled
         aware_engine.generate(prompts, sampling)
         timed = controller.costs.weights.sum(axis=1)
-        ran = Counter(k for _, _, k, decode_only in scheduler.steps_since(mark) if decode_only)
+        trace = scheduler.steps_since(mark)
+        # timed at k: decode steps that verify drafts sized by the k they propose
+        ran = Counter(
+            k for (_, _, before, _), (_, _, k, decode_only) in zip(trace, trace[1:])
+            if decode_only and k == before
+        )  # fmt: skip
         assert timed.sum() > 0 and all(timed[k] > 0 for k in ran if ran[k] > 2)
         for _ in range(200):
             controller.acceptance.observe(4, 4)

@@ -292,11 +292,16 @@ class ConcurrencyAwareMixin:
             # vLLM 0.33's Model Runner V2 drafts nothing after a step whose every request
             # ends in it (`skip_drafts`), whatever k says: such a step is not priced at k.
             skipped = getattr(out, "skip_drafts", False)
-            timed = decode_only and not skipped and self._untimed_steps == 0
+            sized_by = self._k_last_scheduled if decode_only else None
+            # A step verifies the drafts the step before it proposed (sized by that step's
+            # k) and proposes this step's k: it costs what the latency model prices at k
+            # only where the two agree. A step of B that verifies 4 drafts each and proposes
+            # none is no k = 0 step, and one that verifies none and proposes 4 no k = 4 step
+            # (priced so, such steps made k = 4 look cheap at B = 64).
+            timed = decode_only and not skipped and self._untimed_steps == 0 and sized_by == k
             self._untimed_steps = max(self._untimed_steps - 1, 0)
             if len(self._pending_steps) > 8:  # outputs that never came (an engine reset)
                 self._pending_steps.clear()
-            sized_by = self._k_last_scheduled if decode_only else None
             self._k_last_scheduled = k
             self._pending_steps[id(out)] = (start, batch, k, context, timed, sized_by)
             self.step_trace.append((time.monotonic(), batch, k, decode_only))

@@ -66,13 +66,17 @@ class SwapRequest(BaseModel):
     version: int = Field(ge=0)
 
 
-def _refusal(state) -> str | None:
-    """Why the engine must not generate now, or None."""
+def _refusal(state, overdue: bool = True) -> str | None:
+    """Why the engine must not generate now, or None; `overdue`: a swap past its deadline
+    counts (not for the swap itself, which ends it)."""
     reasons = [
         f"the {role} weights may be a mix ({why}); a successful {role} swap clears this"
         for role, why in getattr(state, "grpo_mixed", {}).items()
     ]
-    for reason in (getattr(state, "grpo_stale_cache", None), getattr(state, "grpo_overdue", None)):
+    for reason in (
+        getattr(state, "grpo_stale_cache", None),
+        getattr(state, "grpo_overdue", None) if overdue else None,
+    ):
         if reason:
             reasons.append(reason)
     return "; ".join(reasons) or None
@@ -131,7 +135,7 @@ async def _swap(state, body: SwapRequest):
         except BaseException:
             await engine.resume_generation()
             raise
-        if _refusal(state):
+        if _refusal(state, overdue=False):
             # Nothing may run on weights that may be a mix or on stale KV: the frozen
             # requests are aborted, and the engine stays paused until a swap succeeds.
             await engine.pause_generation(mode="abort", clear_cache=False)
