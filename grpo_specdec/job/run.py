@@ -76,6 +76,8 @@ class Job:
             if getattr(self, "roles", None) is not None:  # a start that failed or hung
                 self.roles.kill()
                 self.roles.placement.remove()
+            if getattr(self, "vllm_log", None) is not None:  # vLLM's logging as it was
+                self.vllm_log.close()
             self.lock.release()
             raise
 
