@@ -97,20 +97,22 @@ def side_by_side(
     from grpo_specdec.config import load_yaml
     from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
     from grpo_specdec.job.config import TrainConfig
-    from grpo_specdec.job.engine_setup import engine_config, latency_profile
+    from grpo_specdec.job.engine_setup import engine_config, latency_profile, serving_dtype
     from grpo_specdec.job.models import resolve_model
     from grpo_specdec.tasks.arithmetic import make_problems
     from grpo_specdec.tasks.length_budgets import with_budgets
     from vllm_plugin.controller import FixedPolicy, profile_latency
 
     cfg = load_yaml(TrainConfig, CONFIG, [])
-    profile = latency_profile(cfg, resolve_model("smollm2"), initial_head, print)
+    base = resolve_model("smollm2")
+    profile = latency_profile(cfg, base, initial_head, print)
     latency = profile_latency(json.loads(Path(profile).read_text()))
     questions = [p.question for lvl in (1, 2) for p in make_problems(PROMPTS // 2, 97, lvl)]
     shape = with_budgets(questions, GROUP, CAP, MEDIAN, 0.7, seed=5)
 
     def engine(head: str | None) -> Engine:
-        fields = engine_config(cfg, policy, head, profile)
+        # in the dtype the job served every point in (a checkpoint stores float32)
+        fields = engine_config(cfg, policy, head, profile, serving_dtype(cfg, base))
         fields |= {"max_model_len": CAP + 256, "max_num_seqs": len(shape.prompts)}
         if head is None:
             fields["speculative"] = None

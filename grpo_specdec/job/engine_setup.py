@@ -8,6 +8,7 @@ from pathlib import Path
 
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.modelcheck import resolve_max_model_len
+from vllm_plugin.manifest import read_manifest
 from vllm_plugin.settings import profile_key, read_profile, store_path
 
 
@@ -70,10 +71,21 @@ def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> st
     return str(path)
 
 
+def serving_dtype(cfg: TrainConfig, base_policy: str) -> str:
+    """The dtype the job's engines serve and its learners publish in: `model.engine_dtype`,
+    where it says auto the base policy's stored dtype. Resolved from the base, not from the
+    folder an engine starts from: a checkpoint stores float32 (the optimiser's), and an
+    engine started from one on "auto" would serve float32 and refuse the learners' weights."""
+    if cfg.model.engine_dtype != "auto":
+        return cfg.model.engine_dtype
+    return str(next(iter(read_manifest(base_policy).values()))[1]).removeprefix("torch.")
+
+
 def engine_config(
-    cfg: TrainConfig, policy_dir: str, draft_dir: str | None, profile: str | None
+    cfg: TrainConfig, policy_dir: str, draft_dir: str | None, profile: str | None, dtype: str
 ) -> dict:
-    """The EngineConfig fields of an engine serving `policy_dir` (with `draft_dir`)."""
+    """The EngineConfig fields of an engine serving `policy_dir` (with `draft_dir`) in
+    `dtype` (`serving_dtype`)."""
     r = cfg.rollout
     spec = None
     if r.speculation != "off":
@@ -89,7 +101,7 @@ def engine_config(
         }
     return {
         "model": policy_dir,
-        "dtype": cfg.model.engine_dtype,
+        "dtype": dtype,
         "max_model_len": r.max_model_len,
         "max_num_seqs": max_num_seqs(cfg),
         "kv_cache_gib": r.kv_cache_gib,

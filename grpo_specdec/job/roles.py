@@ -97,7 +97,7 @@ class Roles:
         if ckpt is not None:
             self.wait("a checkpoint load", [p.load.remote(ckpt) for p in self.policies])
         self.profile = self.profile or latency_profile(cfg, self.base_policy, draft_dir, self.log)
-        self.engine_cfg = engine_config(cfg, policy_dir, draft_dir, self.profile)
+        self.engine_cfg = engine_config(cfg, policy_dir, draft_dir, self.profile, self.weight_dtype)
         # The engines start from the weights the learners hold now: they report their versions.
         learners = {"policy": self.policies[0], "draft": self.draft}
         learners = {role: a for role, a in learners.items() if a is not None}

@@ -30,7 +30,7 @@ from grpo_specdec.job.actors import start_ray
 from grpo_specdec.job.batches import Batch, batch_at, prompt_source
 from grpo_specdec.job.checkpoints import Checkpointer, read_state
 from grpo_specdec.job.config import RewardSettings, TrainConfig
-from grpo_specdec.job.engine_setup import check_context_length
+from grpo_specdec.job.engine_setup import check_context_length, serving_dtype
 from grpo_specdec.job.learners import PolicyBatch
 from grpo_specdec.job.logs import VllmLog, check_private
 from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_records
@@ -41,7 +41,6 @@ from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.job.run_lock import RunFolderLock
 from grpo_specdec.modelcheck import check_draft_matches_target
 from grpo_specdec.tasks.rewards import GRADERS, has_answer_format, overlong_penalty
-from vllm_plugin.manifest import read_manifest
 
 
 class Job:
@@ -88,9 +87,7 @@ class Job:
         ckpt = self.checkpointer.start_point(resume, cfg.model_dump())
         self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
         self.log(f"vLLM's messages go to {self.vllm_log.path} (errors also here)")
-        self.weight_dtype = str(next(iter(read_manifest(base_policy).values()))[1]).removeprefix(
-            "torch."
-        )
+        self.weight_dtype = serving_dtype(cfg, base_policy)
         start_ray(cfg.ray, self.vllm_log.worker_env)
         self.roles = Roles(cfg, base_policy, base_draft, self.out, self.weight_dtype, log)
         self._start(ckpt)
