@@ -606,22 +606,25 @@ def test_tensorboard_shows_each_iteration_once_after_a_restart_and_a_resume(tmp_
     ]
 
 
-def test_engines_serve_the_base_dtype_on_auto_even_from_a_float32_checkpoint(tmp_path):
-    """A resumed job's engine starts from a checkpoint, stored in float32: on `engine_dtype:
-    auto` it served float32 and refused every weight the learners published in the base's
-    bfloat16 (found resuming the shipped recipe at its iteration 15)."""
+def test_a_resumed_job_publishes_in_its_engines_start_folder_s_dtype_and_serves_the_base_s(
+    tmp_path,
+):
+    """A resumed job's engine starts from a checkpoint, stored in float32, and checks every
+    update against it: the learners published in the base's bfloat16, and the engine refused
+    each ("dtype torch.bfloat16, expected torch.float32", resuming the shipped recipe at its
+    iteration 15). It serves the base's dtype on `engine_dtype: auto`, as a fresh job does."""
     from safetensors.torch import save_file
 
     from grpo_specdec.job.config import TrainConfig
-    from grpo_specdec.job.engine_setup import engine_config, serving_dtype
+    from grpo_specdec.job.engine_setup import engine_config, serving_dtype, stored_dtype
 
     base, checkpoint = tmp_path / "base", tmp_path / "iter_000015"
     for folder, dtype in ((base, torch.bfloat16), (checkpoint, torch.float32)):
         folder.mkdir()
         save_file({"w": torch.zeros(2, dtype=dtype)}, folder / "model.safetensors")
+    assert (stored_dtype(str(base)), stored_dtype(str(checkpoint))) == ("bfloat16", "float32")
     cfg = TrainConfig.model_validate({"model": {"policy": str(base)}})
     dtype = serving_dtype(cfg, str(base))
-    assert dtype == "bfloat16"
     assert engine_config(cfg, str(checkpoint), None, None, dtype)["dtype"] == "bfloat16"
     cfg.model.engine_dtype = "float32"
     assert serving_dtype(cfg, str(base)) == "float32"

@@ -71,14 +71,20 @@ def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> st
     return str(path)
 
 
+def stored_dtype(model_dir: str) -> str:
+    """The dtype `model_dir`'s weights are stored in, which an engine started from it
+    checks every update against: the learners publish in it."""
+    return str(next(iter(read_manifest(model_dir).values()))[1]).removeprefix("torch.")
+
+
 def serving_dtype(cfg: TrainConfig, base_policy: str) -> str:
-    """The dtype the job's engines serve and its learners publish in: `model.engine_dtype`,
-    where it says auto the base policy's stored dtype. Resolved from the base, not from the
-    folder an engine starts from: a checkpoint stores float32 (the optimiser's), and an
-    engine started from one on "auto" would serve float32 and refuse the learners' weights."""
+    """The dtype the job's engines serve: `model.engine_dtype`, where it says auto the base
+    policy's stored dtype, whatever folder an engine starts from (a checkpoint stores
+    float32, the optimiser's: an engine started from one would otherwise serve what the
+    run's first engine did not)."""
     if cfg.model.engine_dtype != "auto":
         return cfg.model.engine_dtype
-    return str(next(iter(read_manifest(base_policy).values()))[1]).removeprefix("torch.")
+    return stored_dtype(base_policy)
 
 
 def engine_config(

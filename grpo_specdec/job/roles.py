@@ -18,7 +18,7 @@ from grpo_specdec.job.actors import Placement
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.checkpoints import replace_dir
 from grpo_specdec.job.config import TrainConfig
-from grpo_specdec.job.engine_setup import engine_config, engine_seed, latency_profile
+from grpo_specdec.job.engine_setup import engine_config, engine_seed, latency_profile, stored_dtype
 from grpo_specdec.job.learners import PolicyBatch, PolicyRound
 from grpo_specdec.job.restarts import CallPastDeadline
 from grpo_specdec.job.rollout_worker import Rollout
@@ -37,10 +37,10 @@ class Roles:
         base_policy: str,
         base_draft: str | None,
         out: Path,
-        weight_dtype: str,
+        engine_dtype: str,
         log=print,
     ):
-        self.cfg, self.out, self.weight_dtype, self.log = cfg, out, weight_dtype, log
+        self.cfg, self.out, self.engine_dtype, self.log = cfg, out, engine_dtype, log
         self.base_policy, self.base_draft = base_policy, base_draft
         self.starts = 0  # how many times the roles started in this process (restarts + 1)
         self.checkpoints = out / "checkpoints"
@@ -97,7 +97,10 @@ class Roles:
         if ckpt is not None:
             self.wait("a checkpoint load", [p.load.remote(ckpt) for p in self.policies])
         self.profile = self.profile or latency_profile(cfg, self.base_policy, draft_dir, self.log)
-        self.engine_cfg = engine_config(cfg, policy_dir, draft_dir, self.profile, self.weight_dtype)
+        self.engine_cfg = engine_config(cfg, policy_dir, draft_dir, self.profile, self.engine_dtype)
+        # A resumed run's engines start from a checkpoint's float32 folder, a fresh one's from
+        # the base's (bfloat16 for SmolLM2): each checks updates against its own folder.
+        self.publish_dtype = stored_dtype(policy_dir)
         # The engines start from the weights the learners hold now: they report their versions.
         learners = {"policy": self.policies[0], "draft": self.draft}
         learners = {role: a for role, a in learners.items() if a is not None}
@@ -142,7 +145,7 @@ class Roles:
     def policy_weights(self):
         """The whole policy, as rank 0 exports it into the object store: every rank takes
         part in gathering it, and one that dies meanwhile fails the export at once."""
-        refs = [rank.export_weights.remote(self.weight_dtype) for rank in self.policies]
+        refs = [rank.export_weights.remote(self.publish_dtype) for rank in self.policies]
         self.wait("a policy export", refs[1:])  # the other ranks return None
         return refs[0]
 

@@ -87,9 +87,10 @@ class Job:
         ckpt = self.checkpointer.start_point(resume, cfg.model_dump())
         self.vllm_log = VllmLog(self.out, os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
         self.log(f"vLLM's messages go to {self.vllm_log.path} (errors also here)")
-        self.weight_dtype = serving_dtype(cfg, base_policy)
         start_ray(cfg.ray, self.vllm_log.worker_env)
-        self.roles = Roles(cfg, base_policy, base_draft, self.out, self.weight_dtype, log)
+        self.roles = Roles(
+            cfg, base_policy, base_draft, self.out, serving_dtype(cfg, base_policy), log
+        )
         self._start(ckpt)
 
     # The actors by role, as tests and benchmarks reach them.
