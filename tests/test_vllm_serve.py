@@ -434,6 +434,38 @@ def test_a_served_engine_with_mixed_weights_refuses_completions_until_that_role_
     assert _greedy(server, tiny_target, questions[:4]) == before
 
 
+def test_a_policy_left_a_mix_through_vllm_s_own_routes_serves_no_completion(
+    server, tiny_target, questions, fail_loads
+):
+    """The update driven by vLLM's HTTP client over its RL routes, not through this plugin's
+    route, so the route keeps no state of it: the engine core refuses (its weight guard),
+    and the route's middleware, asking it, answers 503 with the reason. Before the guard the
+    completion was generated on the half-loaded policy."""
+    import openai
+    import requests
+    from safetensors.torch import load_file
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from vllm_plugin.weight_transfer import HTTPClient, ShmTrainerInitInfo, StateDictSource
+
+    def push(weights: dict, version: int) -> None:
+        WeightTransferTrainerFactory.trainer_init(
+            ShmTrainerInitInfo(rank=0), client=HTTPClient(server), source=StateDictSource(weights)
+        ).send_weights(version)
+
+    original = load_file(Path(tiny_target) / "model.safetensors")
+    before = _greedy(server, tiny_target, questions[:4])
+    fail_loads.write_text("2")  # the update's load, then the restore's
+    with pytest.raises(requests.HTTPError, match="500"):
+        push(_noisy(original, 5), 90)
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.APIStatusError, match="the policy weights may be a mix") as refused:
+        client.completions.create(model=tiny_target, prompt="1+1=", max_tokens=4)
+    assert refused.value.status_code == 503
+    push(original, 91)  # an update of that role that loads whole mends it
+    assert _greedy(server, tiny_target, questions[:4]) == before
+
+
 def _push_draft(url: str, weights: dict, version: int) -> None:
     """A trainer on vLLM's trainer API: the `grpo_shm` trainer engine from vLLM's factory,
     sending a head over vLLM's RL routes with its HTTP client."""

@@ -1,22 +1,24 @@
 """vLLM plugin of grpo-specdec.
 
-`register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process
-it starts. It registers the `grpo_shm` weight-transfer backend (`shm_transfer`). Features
+`register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process it
+starts. It registers the `grpo_shm` weight-transfer backend (`shm_transfer`). Features
 (the concurrency-aware scheduler, the weight-swap extension, that backend) are opt-in by
 configuration. What it does unasked is patch vLLM 0.32 and 0.33 (see `patches/`, one
-module each, bugs of vLLM's in `fixes/`, what this project adds in `features/`): on CPU, sampled speculative decoding that was not lossless and cost too
-much, sampled drafting that cost more than it gained, engine starts that recompiled
-every time, aborted at random, or failed after numba was imported; on vLLM's V1 model
-runner, a draft pass that ran on steps drafting nothing (it now runs lazily, catching up
-when drafting resumes); and, when configured, drafts from a GRPO group's text join the
-engine's own (its one per-step hook, `take_draft_token_ids`); with several worker
-processes, replies that a failed collective RPC left unread are read before it raises, so
-later calls get their own. Which model runner engines run is vLLM's choice and the
-user's: where it is Model Runner V2 (vLLM's default on CUDA), which none of the V1 patches
-reach, the plugin says once what they would have given (`patches.say_runner`). Set
-GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched. In a `vllm serve` API process it also
-turns on multiprocess metrics, so that /metrics shows the engine core's (see
-`serve_metrics`).
+module each, bugs of vLLM's in `fixes/`, what this project adds in `features/`): on CPU,
+sampled speculative decoding that was not lossless and cost too much, sampled drafting
+that cost more than it gained, engine starts that recompiled every time, aborted at
+random, or failed after numba was imported; on vLLM's V1 model runner, a draft pass that
+ran on steps drafting nothing (it now runs lazily, catching up when drafting resumes);
+and, when configured, drafts from a GRPO group's text join the engine's own (its one per-
+step hook, `take_draft_token_ids`); with several worker processes, replies that a failed
+collective RPC left unread are read before it raises, so later calls get their own; and an
+engine whose weights load through the plugin runs no step on weights that may be a mix,
+whichever client drove the update (`features/weight_guard_v0_32`). Which model runner
+engines run is vLLM's choice and the user's: where it is Model Runner V2 (vLLM's default
+on CUDA), which none of the V1 patches reach, the plugin says once what they would have
+given (`patches.say_runner`). Set GRPO_SPECDEC_NO_PATCHES=1 to leave vLLM untouched. In a
+`vllm serve` API process it also turns on multiprocess metrics, so that /metrics shows the
+engine core's (see `serve_metrics`).
 """
 
 import logging
@@ -64,6 +66,7 @@ def register() -> None:
         cpu_sampled_drafts_v0_32,
         free_k0_v0_32,
         group_drafts_v0_32,
+        weight_guard_v0_32,
     )
     from vllm_plugin.patches.fixes import (
         cpu_compile_cache_v0_32,
@@ -89,6 +92,7 @@ def register() -> None:
         cpu_seed_rewind_v0_32,
         free_k0_v0_32,
         group_drafts_v0_32,
+        weight_guard_v0_32,
         rpc_replies_v0_32,
         v2_graph_candidates_v0_32,
     ):

@@ -331,3 +331,19 @@ def read_profile(path: Path) -> dict:
             f"({type(err).__name__}: {err})"
         ) from None
     return profile
+
+
+DEADLINE_ENV = "GRPO_SPECDEC_SWAP_DEADLINE_S"
+
+
+def swap_deadline_s() -> float:
+    """How long a weight update may take before the served route answers 503 and the engine
+    stops waiting on it (GRPO_SPECDEC_SWAP_DEADLINE_S, 600 s by default)."""
+    text = os.environ.get(DEADLINE_ENV, "600")
+    try:
+        deadline = float(text)
+    except ValueError:
+        deadline = float("nan")
+    if not 0 < deadline < float("inf"):
+        raise RuntimeError(f"{DEADLINE_ENV}={text!r}: a swap's deadline must be seconds above 0")
+    return deadline

@@ -83,6 +83,17 @@ class WeightSwapExtension:
             self.grpo_end_stale_weight_update()
         return dict(engine.swaps.mixed)
 
+    def grpo_weight_state(self) -> dict:
+        """What the engine core's weight guard (patches/features/weight_guard_v0_32.py) asks
+        after each call of an update: {"session": why an update session is open, or None;
+        "mixed": role -> why its weights may be a mix}. A session whose trainer died is ended
+        first, its load undone."""
+        mixed = self.grpo_mixed_weights()
+        session = None
+        if getattr(self, "_weight_update_active", False):
+            session = self._grpo_transfer().describe_session()
+        return {"session": session, "mixed": mixed}
+
     def _grpo_group_drafter(self):
         drafter = group_drafter(self.model_runner)
         if drafter is None:

@@ -49,12 +49,16 @@ from pydantic import BaseModel, Field
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.rank_weights import agreed_versions, merged_mixed
 from vllm_plugin.served_weights import TOKEN_ENV, TOKEN_HEADER
+from vllm_plugin.settings import DEADLINE_ENV, swap_deadline_s
 from vllm_plugin.shm_transfer import BACKEND
 from vllm_plugin.weight_update import AsyncEngineClient, run_update
 
 ROUTE = "/v1/grpo/weights"
 HEALTH = "/health"  # vLLM's
-DEADLINE_ENV = "GRPO_SPECDEC_SWAP_DEADLINE_S"
+# The routes that generate, whose requests the engine core's guard is asked about (not
+# vLLM's RL routes, which must reach an engine to mend it, nor /health, which would wait on
+# a load in progress).
+GENERATING = ("/v1/", "/inference/")
 router = APIRouter()
 # under vLLM's "vllm" logger, whose handler prints to the server's console
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -181,10 +185,21 @@ async def weight_versions(request: Request):
         return JSONResponse({"error": str(err), "per_rank": per_rank}, status_code=409)
 
 
+async def _engine_refusal(engine) -> str | None:
+    """Why the engine core refuses every request (its weight guard,
+    patches/features/weight_guard_v0_32.py), whoever drove the update that left it so;
+    None where that patch does not run (vLLM unpatched)."""
+    try:
+        return await engine.engine_core.call_utility_async("grpo_weight_refusal")
+    except Exception:
+        return None
+
+
 class RefuseWhileMixed:
     """ASGI middleware: 503 to every POST but the swap route, and to `/health`, while the
-    engine must not generate. It reads the state the swap route keeps, so requests cost no
-    engine call."""
+    engine must not generate: after a swap of this route that failed (its state), or when
+    the engine core says so (an update driven through vLLM's own routes or RPCs; the engine
+    refuses such requests itself, this names why)."""
 
     def __init__(self, app):
         self.app = app
@@ -193,7 +208,10 @@ class RefuseWhileMixed:
         if scope["type"] == "http" and (
             (scope["method"] == "POST" and scope["path"] != ROUTE) or scope["path"] == HEALTH
         ):
-            why = _refusal(scope["app"].state)
+            state = scope["app"].state
+            why = _refusal(state)
+            if not why and scope["path"].startswith(GENERATING):
+                why = await _engine_refusal(state.grpo_engine)
             if why:
                 refusal = {"message": f"refusing to generate: {why}", "type": "Unavailable"}
                 response = JSONResponse({"error": {**refusal, "code": 503}}, status_code=503)
@@ -250,15 +268,4 @@ class WeightsEndpoint:
         state.grpo_stale_cache = None
         state.grpo_overdue = None
         state.grpo_swaps = set()
-        state.grpo_swap_deadline_s = _deadline_s()
-
-
-def _deadline_s() -> float:
-    text = os.environ.get(DEADLINE_ENV, "600")
-    try:
-        deadline = float(text)
-    except ValueError:
-        deadline = float("nan")
-    if not 0 < deadline < float("inf"):
-        raise RuntimeError(f"{DEADLINE_ENV}={text!r}: a swap's deadline must be seconds above 0")
-    return deadline
+        state.grpo_swap_deadline_s = swap_deadline_s()
