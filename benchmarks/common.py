@@ -41,6 +41,24 @@ def fresh_controller(scheduler, latency, max_batch: int):
     )
 
 
+def warmed(make):
+    """A maker of our controller that starts each run from the state the configuration's
+    first run (the protocol's warm-up) left: what the job's engine holds at the start of a
+    rollout after its first, as a cold `make()` holds only at the job's first rollout."""
+    import copy
+
+    first = None
+
+    def maker():
+        nonlocal first
+        if first is None:
+            first = make()
+            return first
+        return copy.deepcopy(first)
+
+    return maker
+
+
 def protocol_args(ap, repeats: bool = True) -> None:
     """The measurement protocol's flags (grpo_specdec/bench/measure.py), the same in every
     benchmark: --repeats (timed rounds, each in a new shuffled order), --order-seed, and

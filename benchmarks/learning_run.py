@@ -11,8 +11,9 @@ learn, and speculation measured side by side as the policy sharpens.
 2. At the start (SmolLM2 as shipped, the package's head), the middle and the end, that
    point's policy rolls out the tail shape side by side under the measurement protocol
    (`grpo_specdec/bench/measure.py`: warmed, order shuffled per round, --repeats rounds): no
-   speculation, ours with the online head of that point, ours with the initial (frozen)
-   head, and fixed k. Every configuration makes exactly the tokens each request made in a
+   speculation, ours with the online head of that point (from nothing learnt each round, as
+   at the job's first rollout, and warmed: from the state its warm-up rollout left, as at
+   every later one), ours with the initial (frozen) head, and fixed k. Every configuration makes exactly the tokens each request made in a
    seeded rollout without speculation (EOS then ignored), so makespans compare equal work;
    then in rounds where each makes its own answers (natural EOS). The end point is measured
    again at T = 1, where the issue's acceptance goal is stated (the recipe samples at 0.7).
@@ -40,6 +41,7 @@ from benchmarks.common import (
     fresh_controller,
     protocol_args,
     quiet_machine,
+    warmed,
     write_study,
 )
 
@@ -59,6 +61,9 @@ REWARD_PROMPTS, REWARD_SAMPLES = 64, 8  # the reward agreement check
 EVAL_EXAMPLES, EVAL_MAX_TOKENS, EVAL_DTYPES = 200, 128, ("float32", "bfloat16")
 ROUNDED = "end, rounded to bfloat16"  # the end policy as its bf16 engine served it
 END_AT_T1 = "end at T = 1"  # no comma: --points splits on commas
+# Ours from the state its first (warm-up) rollout left, as the job's engine after its first
+# rollout; "ours, online head" starts every round with nothing learnt.
+WARMED = "ours, online head, warmed"
 
 
 def train(args, data: dict) -> None:
@@ -126,12 +131,16 @@ def side_by_side(
         endings: dict[str, int] = {}
         *_, exact, exact_per_request = replay_lengths(plain, (*workload, per_request), endings)
 
+        n = len(shape.prompts)
+
         def ours(e: Engine) -> Config:
-            return Config(e, fresh_controller(e.scheduler(), latency, len(shape.prompts)))
+            return Config(e, fresh_controller(e.scheduler(), latency, n))
 
         configs = {
             "no speculation": Config(plain),
             "ours, online head": ours(online),
+            # as the job's engine starts every rollout after its first
+            WARMED: Config(online, warmed(fresh_controller(online.scheduler(), latency, n))),
             "ours, initial head": ours(initial),
             **{f"fixed k = {k}, online head": Config(online, FixedPolicy(k)) for k in FIXED_K},
         }
