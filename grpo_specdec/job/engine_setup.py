@@ -102,7 +102,8 @@ def engine_config(
             "concurrency_aware": r.speculation == "concurrency_aware",
             "controller": {**r.controller.model_dump(), "profile": profile},
             # Each engine would judge and roll back its draft alone, and engines that
-            # disagree on the draft's version stop the job: with several, the watch is off.
+            # disagree on the draft's version stop the job: with several, the engines' watch
+            # is off and the driver judges their drafts together (Job._judge_drafts).
             "draft_watch": cfg.ray.rollout_workers == 1,
         }
     return {

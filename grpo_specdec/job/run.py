@@ -23,7 +23,7 @@ import torch
 
 from grpo_specdec.bench.compare import compare_rollout
 from grpo_specdec.draft.formats import ready_head
-from grpo_specdec.draft_watch import SlowDecline
+from grpo_specdec.draft_watch import DraftWatch, Head, SlowDecline
 from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, report_line
 from grpo_specdec.grpo.core import first_informative, group_advantages
 from grpo_specdec.job.actors import start_ray
@@ -110,6 +110,11 @@ class Job:
             random.seed(self.cfg.seed)
         self.draft_version = self.roles.start(ckpt)  # the newest draft version issued
         self.decline = SlowDecline()
+        # With several engines each one's own watch is off (each would judge its share of the
+        # drafts and go back alone): the driver judges their drafts together.
+        served = self.roles.weights.served.get("draft")
+        several = len(self.roles.rollouts) > 1
+        self.draft_judge = DraftWatch(Head(*served)) if served and several else None
         truncate_records(self.out / "metrics.jsonl", self.iteration)
         truncate_records(self.out / "eval.jsonl", self.iteration)
 
@@ -142,6 +147,8 @@ class Job:
         seconds["draft_wait"] = lap()
 
         published = self.roles.publish(policy, draft, self.iteration + 1)
+        if self.draft_judge is not None and "draft" in published.sync:
+            self.draft_judge.swapped(Head(*self.roles.weights.served["draft"]))
         seconds["sync"] = lap()
 
         versions = self.roles.weights.versions()
@@ -168,6 +175,8 @@ class Job:
         it would train on from the collapsed head and publish its descendants); a slow
         decline of acceptance, which no rollback catches, is said. -> record fields."""
         running = self.iteration + 1
+        if self.draft_judge is not None:
+            self._judge_drafts(rollout, running)
         for rollback in rollout.draft_rollbacks:
             returned = self.roles.return_draft_to(rollback.to)
             self.log(
@@ -184,6 +193,27 @@ class Job:
             return {}
         self.log(f"iteration {running}: {decline}")
         return {"draft_decline": decline}
+
+    def _judge_drafts(self, rollout: Rollout, running: int) -> None:
+        """The engines' drafts of this rollout, pooled, judge the head they served; a head
+        that collapsed is replaced in every engine by the one before it (the rollback joins
+        the rollout's, which the learner then follows)."""
+        judge = self.draft_judge
+        spec = rollout.spec
+        rollback = judge.observe(spec.get("draft_tokens", 0), spec.get("accepted_tokens", 0))
+        if rollback is None:
+            return
+        head = judge.fallback
+        _, why = self.roles.weights.draft(head.state_dict(), head.version, head.metadata, running)
+        if why is not None:
+            self.log(
+                f"iteration {running}: draft head version {rollback.version} collapsed "
+                f"({rollback.rate:.3f} of its drafts accepted against {rollback.previous_rate:.3f}), "
+                f"and the engines refused version {rollback.to} back ({why}): they serve it still"
+            )
+            return
+        judge.rolled_back()
+        rollout.draft_rollbacks.append(rollback)
 
     def _roll_out(self) -> tuple[list, Rollout, list[Rollout], torch.Tensor, torch.Tensor]:
         """This iteration's batch rolled out, and with rollout.max_gen_batches > 1 (DAPO's

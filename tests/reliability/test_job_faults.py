@@ -338,13 +338,15 @@ def _scramble_head(learner):
     learner.head.load_export_state_dict(scrambled(learner.head.export_state_dict()))
 
 
+@pytest.mark.parametrize("engines", [1, 2])
 def test_a_collapsed_head_is_rolled_back_in_the_engine_and_the_learner(
-    tiny_target, tiny_draft, job_profile, tmp_path
+    tiny_target, tiny_draft, job_profile, tmp_path, engines
 ):
     """The draft learner's head is scrambled (weights lost, as a broken sync or sleep/wake
     leaves them): the head it publishes collapses in the next rollout, the engine's watch
-    goes back to the head before, and the learner goes back with it, so the head after is
-    sound again, not a descendant of the collapse."""
+    (with several engines, the driver's, over their pooled drafts) goes back to the head
+    before in every engine, and the learner goes back with it, so the head after is sound
+    again, not a descendant of the collapse."""
     from grpo_specdec.job.run import Job
 
     out = tmp_path / "run"
@@ -354,6 +356,7 @@ def test_a_collapsed_head_is_rolled_back_in_the_engine_and_the_learner(
         "rollout.prompts_per_iteration=8",
         "rollout.group_size=8",
         "rollout.controller.policy=fixed",  # every step drafts: the watch judges each head
+        f"ray.rollout_workers={engines}",
     ]
     log: list[str] = []
     job = Job(load_yaml(TrainConfig, CONFIG, overrides), log=log.append)
