@@ -30,7 +30,7 @@ CPU_V1_PATCHES = {
     "cpu_seed_rewind_v0_32",
 }
 CPU_PATCHES = {"cpu_onednn_release_v0_32", "cpu_compile_cache_v0_32", "cpu_kernel_scan_v0_32"}
-ANY_PATCHES = {"rpc_replies_v0_32"}  # whatever the platform and runner
+ANY_PATCHES = {"rpc_replies_v0_32", "weight_guard_v0_32"}  # whatever the platform and runner
 TRITON_PATCHES = {"v2_graph_candidates_v0_32"}  # where Triton runs, so V2 can
 
 
