@@ -52,8 +52,11 @@ def engine(tiny_target, tiny_draft, faults):
         env.setenv("GRPO_TEST_FAIL_LOADS", str(faults[0]))
         env.setenv("GRPO_TEST_SLOW_LOADS", str(faults[1]))
         env.setenv(DEADLINE_ENV, str(DEADLINE_S))
+        # Its own engine-core process: vLLM mixes an extension into the worker class of the
+        # process that builds the workers, where an in-process engine of another test may
+        # have mixed in the plugin's own.
         engine = Engine(
-            tiny_engine_config(tiny_target, tiny_draft),
+            tiny_engine_config(tiny_target, tiny_draft, engine_process="separate"),
             worker_extension_cls="tests.faulty_swap_extension.FaultyLoadsExtension",
             weight_transfer_config={"backend": "grpo_shm_faulty"},
         )
