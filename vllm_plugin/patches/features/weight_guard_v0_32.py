@@ -149,12 +149,11 @@ def _held(core) -> list:
     return [r for r in core.scheduler.requests.values() if not r.is_finished()]
 
 
-def _finish_all(core, why: str) -> dict:
-    """Every request the scheduler holds, finished with finish reason "error"."""
+def _finish_all(core, held: list, why: str) -> dict:
+    """The requests the scheduler `held`, finished with finish reason "error"."""
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.request import RequestStatus
 
-    held = _held(core)
     logger.error("grpo-specdec: refusing %d request(s): %s", len(held), why)
     core.scheduler.finish_requests([r.request_id for r in held], RequestStatus.FINISHED_ERROR)
     by_client: dict[int, list[str]] = defaultdict(list)
@@ -200,13 +199,14 @@ def _wrap_step(original):
             _ask(self, guard)  # a dead trainer's session is ended there
             if guard.clear:
                 return original(self)
-        if not _held(self):  # only finished requests to free: a step runs no model
+        held = _held(self)
+        if not held:  # only finished requests to free: a step runs no model
             return original(self)
         why = guard.refusal(now)
         if why is None:  # a live trainer's update: its requests wait
             time.sleep(HOLD_S)
             return {}, False
-        outputs = _finish_all(self, why)
+        outputs = _finish_all(self, held, why)
         # With no request left to run, the step only frees the finished ones (a pause waits
         # for that), running no model.
         freed, executed = original(self)
