@@ -92,3 +92,34 @@ def test_a_session_a_dead_trainer_left_is_ended_and_a_live_one_s_named():
     with pytest.raises(RuntimeError, match="held by live pid 7"):
         _update(live, "policy")
     assert not any(isinstance(c, tuple) for c in live.calls)  # nothing loaded
+
+
+def test_an_overdue_swap_that_ends_leaves_another_still_overdue_refusing():
+    """Served swaps queue on one lock, so a second can run past its deadline while the first
+    still loads; the first one's end cleared the one flag both shared, and /health answered
+    200 over an engine the second still held paused."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm_plugin.weights_endpoint import _refusal, mark_overdue
+
+    async def two_overdue_swaps():
+        state = SimpleNamespace(grpo_mixed={}, grpo_stale_cache=None, grpo_overdue={})
+        loop = asyncio.get_running_loop()
+        first, second = loop.create_future(), loop.create_future()
+        mark_overdue(state, first, "swap 1 is overdue")
+        mark_overdue(state, second, "swap 2 is overdue")
+        both = _refusal(state)
+        assert _refusal(state, overdue=False) is None  # the swap itself is not refused
+        first.set_result(None)
+        await asyncio.sleep(0)  # its done callbacks
+        after_first = _refusal(state)
+        second.set_result(None)
+        await asyncio.sleep(0)
+        return both, after_first, _refusal(state)
+
+    assert asyncio.run(two_overdue_swaps()) == (
+        "swap 1 is overdue; swap 2 is overdue",
+        "swap 2 is overdue",
+        None,
+    )

@@ -77,12 +77,10 @@ def _refusal(state, overdue: bool = True) -> str | None:
         f"the {role} weights may be a mix ({why}); a successful {role} swap clears this"
         for role, why in getattr(state, "grpo_mixed", {}).items()
     ]
-    for reason in (
-        getattr(state, "grpo_stale_cache", None),
-        getattr(state, "grpo_overdue", None) if overdue else None,
-    ):
-        if reason:
-            reasons.append(reason)
+    if getattr(state, "grpo_stale_cache", None):
+        reasons.append(state.grpo_stale_cache)
+    if overdue:
+        reasons += getattr(state, "grpo_overdue", {}).values()
     return "; ".join(reasons) or None
 
 
@@ -113,17 +111,25 @@ async def swap_weights(body: SwapRequest, request: Request):
     done, _ = await asyncio.wait({swap}, timeout=state.grpo_swap_deadline_s)
     if done:
         return swap.result()
-    state.grpo_overdue = (
+    why = (
         f"a {body.role} swap to version {body.version} has run past the server's "
         f"{state.grpo_swap_deadline_s:g} s deadline ({DEADLINE_ENV}); generation stays paused "
         "until it ends"
     )
+    mark_overdue(state, swap, why)
+    return JSONResponse({"error": why, "mixed": False}, status_code=503)
+
+
+def mark_overdue(state, swap: asyncio.Task, why: str) -> None:
+    """`swap` past its deadline: the server refuses, naming it, until it ends. Each overdue
+    swap is kept apart: one that ends does not clear another still running (swaps queue on
+    the lock, so a second can run past its deadline while the first still loads)."""
+    state.grpo_overdue[swap] = why
     swap.add_done_callback(lambda ended: _overdue_ended(state, ended))
-    return JSONResponse({"error": state.grpo_overdue, "mixed": False}, status_code=503)
 
 
 def _overdue_ended(state, swap: asyncio.Task) -> None:
-    state.grpo_overdue = None
+    state.grpo_overdue.pop(swap, None)
     if not swap.cancelled():
         swap.exception()  # its outcome is in the versions and the state it left
 
@@ -266,6 +272,6 @@ class WeightsEndpoint:
         state.grpo_swap_lock = asyncio.Lock()
         state.grpo_mixed = {}
         state.grpo_stale_cache = None
-        state.grpo_overdue = None
+        state.grpo_overdue = {}  # swap task -> why it is overdue
         state.grpo_swaps = set()
         state.grpo_swap_deadline_s = swap_deadline_s()
