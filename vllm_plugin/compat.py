@@ -123,3 +123,9 @@ def dense_k_table(table, max_batch: int, k_max: int) -> list[int]:
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
     return build_dynamic_sd_schedule_lookup(table, max_batch, k_max)
+
+
+async def engine_core_utility(engine, method: str):
+    """A method of the engine core (`EngineCore.METHOD`) called from an `AsyncLLM`'s
+    process: vLLM 0.32 and 0.33 route any of them through the core client's utility call."""
+    return await engine.engine_core.call_utility_async(method)

@@ -46,6 +46,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+from vllm_plugin.compat import engine_core_utility
 from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.rank_weights import agreed_versions, merged_mixed
 from vllm_plugin.served_weights import TOKEN_ENV, TOKEN_HEADER
@@ -196,7 +197,7 @@ async def _engine_refusal(engine) -> str | None:
     patches/features/weight_guard_v0_32.py), whoever drove the update that left it so;
     None where that patch does not run (vLLM unpatched)."""
     try:
-        return await engine.engine_core.call_utility_async("grpo_weight_refusal")
+        return await engine_core_utility(engine, "grpo_weight_refusal")
     except Exception:
         return None
 
