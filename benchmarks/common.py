@@ -31,8 +31,9 @@ STALE_NOTES = (
 
 
 def fresh_controller(scheduler, latency, max_batch: int):
-    """A maker of our controller with nothing learnt, priced on `latency`, with the engine's
-    settings: each run of the configuration starts from it."""
+    """A maker of our controller with nothing learnt, priced on `latency` (None: no profile,
+    the prices learnt from the engine's own steps), with the engine's settings: each run of
+    the configuration starts from it."""
     from vllm_plugin.goodput_controller import GoodputController
 
     share = scheduler.controller_settings.explore_share

@@ -47,6 +47,7 @@ from benchmarks.common import (
     smollm2_head,
     smollm2_profile,
     trained_policy,
+    warmed,
     write_study,
 )
 from benchmarks.rollout_report import (
@@ -257,6 +258,10 @@ def compared_configs(
         },
         "paper rule": on_spec(PaperPolicy(latency.c_peak, k_max)),
         "ours": on_spec(fresh_controller(scheduler, latency, max_batch)),
+        # After one rollout (the warm-up), with and without a profile: how near an engine
+        # that learns its prices comes to a profiled one.
+        "ours, warmed": on_spec(warmed(fresh_controller(scheduler, latency, max_batch))),
+        "ours, no profile, warmed": on_spec(warmed(fresh_controller(scheduler, None, max_batch))),
     }
 
 
