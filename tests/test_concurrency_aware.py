@@ -163,7 +163,7 @@ def test_verifications_before_each_request_s_first_eos_are_counted_in_the_real_e
 def test_verifications_past_an_ignored_eos_are_left_out_of_the_before_eos_counts():
     from types import SimpleNamespace
 
-    from vllm_plugin.group_drafter import MODEL
+    from vllm_plugin.group.drafter import MODEL
 
     def request(output_token_ids, ignore_eos=True):
         params = SimpleNamespace(ignore_eos=ignore_eos, all_stop_token_ids={2, 7})

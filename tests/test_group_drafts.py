@@ -22,9 +22,9 @@ from tests.conftest import (
 )
 from vllm_plugin.acceptance import FrozenAcceptance
 from vllm_plugin.controller import HingeLatency, LatencyModel, LinearCost
-from vllm_plugin.group_drafter import GROUP, MODEL, GroupDrafter
+from vllm_plugin.group.drafter import GROUP, MODEL, GroupDrafter
+from vllm_plugin.group.suffix_index import GroupHistory, GroupIndex
 from vllm_plugin.settings import CONFIG_KEY
-from vllm_plugin.suffix_index import GroupHistory, GroupIndex
 
 # ---- the index ---------------------------------------------------------------------------
 
@@ -319,7 +319,7 @@ def test_group_drafts_beside_sampled_drafts_keep_the_target_s_distribution(
 def test_the_cached_q_keeps_the_model_s_rows_and_makes_the_group_s_one_hot(vocab):
     """A full-vocabulary q (16 = the target's) holds each group draft one-hot; a reduced
     one (6) cannot, so those rows are zero and their requests named for the sampler."""
-    from vllm_plugin.group_drafter import Proposal
+    from vllm_plugin.group.drafter import Proposal
     from vllm_plugin.patches.features.group_drafts_v0_32 import (
         ONE_HOT_REQS_ATTR,
         _one_hot_group_rows,

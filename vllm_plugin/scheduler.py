@@ -31,7 +31,7 @@ from vllm_plugin.acceptance import AcceptanceEstimator
 from vllm_plugin.compat import dense_k_table, is_registered
 from vllm_plugin.controller import FixedPolicy, PaperPolicy, Policy
 from vllm_plugin.goodput_controller import GoodputController
-from vllm_plugin.group_drafter import MODEL
+from vllm_plugin.group.drafter import MODEL
 from vllm_plugin.k_check import KHonouredCheck
 from vllm_plugin.settings import ControllerSettings, find_latency, load_latency
 

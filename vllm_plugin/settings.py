@@ -28,7 +28,7 @@ _OLD_ENV = "GRPO_SPECDEC_CONTROLLER"
 
 
 class GroupDraftSettings(BaseModel):
-    """Drafts from the text of a GRPO group (see vllm_plugin/group_drafter.py).
+    """Drafts from the text of a GRPO group (see vllm_plugin/group/drafter.py).
     Experimental: no GRPO rollout measured yet gains from them (docs/USAGE.md)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -33,7 +33,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from vllm_plugin.group_drafter import stamp_policy_version
+from vllm_plugin.group.drafter import stamp_policy_version
 from vllm_plugin.rank_weights import WeightSwaps
 from vllm_plugin.swap_folder import process_alive, writer_pid
 

@@ -51,7 +51,7 @@ def group_drafter(runner):
 
 def _build(runner):
     from vllm_plugin.acceptance import AcceptanceEstimator
-    from vllm_plugin.group_drafter import GroupDrafter
+    from vllm_plugin.group.drafter import GroupDrafter
     from vllm_plugin.settings import ControllerSettings, load_latency
 
     spec = runner.speculative_config
@@ -93,7 +93,7 @@ def _wrap_take(original):
             return drafts
         from vllm.v1.outputs import DraftTokenIds
 
-        from vllm_plugin.group_drafter import policy_version
+        from vllm_plugin.group.drafter import policy_version
 
         drafter.follow_policy(policy_version(self.get_model()))
 
@@ -124,7 +124,7 @@ def _one_hot_group_rows(runner, req_ids: list[str], proposal) -> None:
     """The runner's cached q (`_draft_probs`, [request, k, vocab], of sampled model drafts)
     as the next verification must read it: the model's rows where its draft is kept, one-hot
     (or, in a reduced vocabulary, zero and named) where the group's replaced it."""
-    from vllm_plugin.group_drafter import GROUP
+    from vllm_plugin.group.drafter import GROUP
 
     setattr(runner, ONE_HOT_REQS_ATTR, frozenset())
     q = getattr(runner, "_draft_probs", None)

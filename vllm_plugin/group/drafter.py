@@ -25,7 +25,7 @@ import numpy as np
 
 from vllm_plugin.acceptance import AcceptanceEstimator
 from vllm_plugin.controller import LatencyModel
-from vllm_plugin.suffix_index import Draft, GroupHistory
+from vllm_plugin.group.suffix_index import Draft, GroupHistory
 
 MODEL, GROUP = "model", "group"
 
