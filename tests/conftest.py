@@ -21,6 +21,7 @@ ASSET_SOURCES = [
     "grpo_specdec/assets/tiny.py",
     "grpo_specdec/tasks/arithmetic.py",
     "grpo_specdec/draft/head.py",
+    "grpo_specdec/draft/head_model.py",
     "grpo_specdec/draft/loss.py",
     "grpo_specdec/draft/trainer.py",
     "grpo_specdec/draft/capture.py",

@@ -242,7 +242,7 @@ PUBLIC_VLLM = {
     "vllm.distributed.weight_transfer.clients",
 }
 # Private names of other libraries, not of vLLM.
-NOT_VLLM = {("grpo_specdec/draft/head.py", "_attn_implementation")}  # transformers' config
+NOT_VLLM = {("grpo_specdec/draft/head_model.py", "_attn_implementation")}  # transformers' config
 
 
 def _is_private(name: str) -> bool:
