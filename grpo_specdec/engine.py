@@ -23,13 +23,13 @@ from grpo_specdec.tasks.datasets import ChatPrompt
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin import patches
 from vllm_plugin.k_table import every_k_table
-from vllm_plugin.manifest import MixedWeightsError
 from vllm_plugin.patches import runner_name
 from vllm_plugin.patches.features import group_drafts_v0_32
 from vllm_plugin.patches.fixes import cpu_seed_rewind_v0_32
-from vllm_plugin.rank_weights import ROLES, agreed_versions, merged_mixed
 from vllm_plugin.settings import engine_dtype
-from vllm_plugin.shm_transfer import BACKEND as TRANSFER_BACKEND
+from vllm_plugin.weights.manifest import MixedWeightsError
+from vllm_plugin.weights.rank_weights import ROLES, agreed_versions, merged_mixed
+from vllm_plugin.weights.shm_transfer import BACKEND as TRANSFER_BACKEND
 
 logger = logging.getLogger(__name__)
 SEED_REWIND = vllm_plugin.patch_name(cpu_seed_rewind_v0_32)
@@ -412,7 +412,7 @@ class Engine:
     ) -> dict:
         """Load new `role` ("draft" or "policy") weights into the running engine, through
         vLLM's weight-update API and the `grpo_shm` transfer backend
-        (vllm_plugin/shm_transfer.py).
+        (vllm_plugin/weights/shm_transfer.py).
 
         The weights go through a safetensors file in the private swap folder; each rank
         keeps the last good one open, to reload it if a later swap fails halfway. A
@@ -428,7 +428,7 @@ class Engine:
         return report
 
     def _send_weights(self, role: str, weights: dict, version: int, metadata: dict | None) -> dict:
-        from vllm_plugin.weight_transfer import (
+        from vllm_plugin.weights.trainer import (
             LLMClient,
             ShmTrainerEngine,
             ShmTrainerInitInfo,

@@ -12,9 +12,9 @@ import os
 import time
 from pathlib import Path
 
-from vllm_plugin.rank_weights import WeightSwaps
-from vllm_plugin.shm_transfer import ShmWeightTransferEngine
 from vllm_plugin.weight_swap import WeightSwapExtension
+from vllm_plugin.weights.rank_weights import WeightSwaps
+from vllm_plugin.weights.shm_transfer import ShmWeightTransferEngine
 
 BACKEND = "grpo_shm_faulty"
 

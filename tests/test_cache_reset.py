@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from vllm_plugin.weight_transfer import (
+from vllm_plugin.weights.trainer import (
     CACHE_NOT_RESET,
     HTTPClient,
     RPCClient,

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from grpo_specdec.draft.head import load_head, new_head
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import tiny_engine_config
-from vllm_plugin.manifest import MixedWeightsError
+from vllm_plugin.weights.manifest import MixedWeightsError
 
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=40)
 
@@ -135,7 +135,7 @@ def test_bad_swap_is_rejected_and_old_weights_keep_serving(
 
 
 def _reads_files_whole_with(worker) -> str:
-    from vllm_plugin import rank_weights
+    from vllm_plugin.weights import rank_weights
 
     return rank_weights.load_file.__name__
 
@@ -147,7 +147,7 @@ def test_a_wrong_file_is_refused_from_its_header_before_it_is_read_whole(
     """A file of another model (or a wrong shape, dtype or name) is refused from the header
     its safetensors file begins with: read whole first, a large one could take the engine's
     memory before the check said no. (This engine's worker runs in this process.)"""
-    from vllm_plugin import rank_weights
+    from vllm_plugin.weights import rank_weights
 
     def read_whole(*_args, **_kwargs):
         raise AssertionError("the file was read whole before its header was checked")
@@ -256,7 +256,7 @@ def test_vllms_trainer_factory_moves_a_head_in_through_vllms_weight_update_api(
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weight_transfer import LLMClient, ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.trainer import LLMClient, ShmTrainerInitInfo, StateDictSource
 
     def push(weights, version):
         sender = WeightTransferTrainerFactory.trainer_init(
@@ -283,7 +283,7 @@ def test_vllms_trainer_factory_moves_a_head_in_through_vllms_weight_update_api(
 
 
 def test_only_files_in_the_swap_folder_are_loaded(swap_engine, tiny_target):
-    from vllm_plugin.swap_folder import swap_folder
+    from vllm_plugin.weights.swap_folder import swap_folder
 
     version = swap_engine.weight_versions()["policy"]
     served_file = Path(tiny_target) / "model.safetensors"
@@ -305,7 +305,7 @@ def test_only_files_in_the_swap_folder_are_loaded(swap_engine, tiny_target):
 
 
 def test_the_last_good_swap_file_is_gone_yet_still_restores(swap_engine, trained_head, questions):
-    from vllm_plugin.swap_folder import swap_folder
+    from vllm_plugin.weights.swap_folder import swap_folder
 
     swap_engine.swap_weights("draft", trained_head.export_state_dict(torch.float32), version=30)
     assert not list(swap_folder().glob("draft-v30-*"))  # the engine holds it open
@@ -485,7 +485,7 @@ def test_a_session_left_open_by_a_dead_trainer_is_undone_not_served(
     from safetensors.torch import save_file
 
     from tests.conftest import scrambled
-    from vllm_plugin.swap_folder import swap_folder
+    from vllm_plugin.weights.swap_folder import swap_folder
 
     meta = trained_head.swap_metadata()
     weights = trained_head.export_state_dict(torch.float32)

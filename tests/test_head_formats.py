@@ -189,7 +189,7 @@ def test_a_head_goes_out_in_the_dtype_it_came_in(tiny_target, tiny_draft, tmp_pa
     from transformers import AutoModelForCausalLM
 
     from grpo_specdec.draft.head import load_head
-    from vllm_plugin.manifest import read_manifest
+    from vllm_plugin.weights.manifest import read_manifest
 
     served = tmp_path / "bf16-head"
     shutil.copytree(tiny_draft, served)

@@ -21,7 +21,7 @@ from grpo_specdec.job.config import CompareSettings, RolloutSettings
 from grpo_specdec.job.logs import VllmLog
 from grpo_specdec.job.metrics import truncate_records
 from grpo_specdec.job.weight_sync import WeightSync
-from vllm_plugin.manifest import MixedWeightsError
+from vllm_plugin.weights.manifest import MixedWeightsError
 
 # ---- weight sync: fake engines whose remote calls finish at once ---------------------
 

@@ -1,4 +1,4 @@
-"""Weight files in the swap folder (`vllm_plugin/swap_folder.py`): a trainer killed between
+"""Weight files in the swap folder (`vllm_plugin/weights/swap_folder.py`): a trainer killed between
 writing a file and removing it leaves it in shared memory, so the next writer sweeps files
 whose writer is gone; a full folder (a container's 64 MiB /dev/shm) is named with the fix."""
 
@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from vllm_plugin.manifest import WeightSwapError
-from vllm_plugin.swap_folder import swap_file, swap_folder, sweep_orphans
+from vllm_plugin.weights.manifest import WeightSwapError
+from vllm_plugin.weights.swap_folder import swap_file, swap_folder, sweep_orphans
 
 
 def _sleeper() -> subprocess.Popen:

@@ -37,7 +37,7 @@ class RecordingClient:
 def test_a_draft_goes_through_vllms_trainer_factory_and_weight_source_api():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weight_transfer import ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
     weights = {"fc.weight": torch.randn(4, 8), "norm.weight": torch.ones(4)}
     source = StateDictSource(weights)
@@ -66,7 +66,7 @@ def test_a_draft_goes_through_vllms_trainer_factory_and_weight_source_api():
 def test_a_rank_other_than_zero_iterates_but_sends_nothing():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weight_transfer import ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
     client = RecordingClient()
     sender = WeightTransferTrainerFactory.trainer_init(
@@ -80,7 +80,7 @@ def test_the_workers_backend_is_in_vllms_factory():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     import vllm_plugin
-    from vllm_plugin.shm_transfer import BACKEND, ShmWeightTransferEngine
+    from vllm_plugin.weights.shm_transfer import BACKEND, ShmWeightTransferEngine
 
     vllm_plugin.register()
     assert BACKEND in WeightTransferEngineFactory._registry

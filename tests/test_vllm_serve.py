@@ -205,7 +205,7 @@ def _status(url: str, method: str, headers: dict, path: str = "/v1/grpo/weights"
 def test_weights_swap_into_the_served_engine_only_with_the_token(server, tiny_target, questions):
     from safetensors.torch import load_file
 
-    from vllm_plugin.served_weights import ServedWeights
+    from vllm_plugin.weights.served_weights import ServedWeights
 
     for method in ("POST", "GET"):
         assert _status(server, method, {}) == 401
@@ -248,7 +248,7 @@ def test_a_swap_past_its_deadline_answers_503_and_the_server_is_unhealthy_until_
 
     from safetensors.torch import load_file
 
-    from vllm_plugin.served_weights import ServedWeights
+    from vllm_plugin.weights.served_weights import ServedWeights
 
     original = load_file(Path(tiny_target) / "model.safetensors")
     weights = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
@@ -290,8 +290,8 @@ def _noisy(weights: dict, seed: int) -> dict:
 
 
 def test_the_swap_route_loads_only_files_in_the_private_swap_folder(server, tiny_target):
-    from vllm_plugin.served_weights import ServedWeights
-    from vllm_plugin.swap_folder import swap_folder
+    from vllm_plugin.weights.served_weights import ServedWeights
+    from vllm_plugin.weights.swap_folder import swap_folder
 
     served_file = Path(tiny_target) / "model.safetensors"
     link = swap_folder() / "policy-v31-link.safetensors"
@@ -310,8 +310,8 @@ def test_the_swap_route_loads_only_files_in_the_private_swap_folder(server, tiny
 def test_a_timed_out_swap_leaves_no_file_and_a_whole_engine(server, tiny_target, questions):
     from safetensors.torch import load_file
 
-    from vllm_plugin.served_weights import ServedWeights
-    from vllm_plugin.swap_folder import swap_folder
+    from vllm_plugin.weights.served_weights import ServedWeights
+    from vllm_plugin.weights.swap_folder import swap_folder
 
     original = load_file(Path(tiny_target) / "model.safetensors")
     weights = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
@@ -341,7 +341,7 @@ def test_requests_in_flight_during_a_swap_use_no_kv_of_the_old_weights(
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from vllm_plugin.served_weights import ServedWeights
+    from vllm_plugin.weights.served_weights import ServedWeights
 
     client = OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
     weights = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
@@ -393,7 +393,7 @@ def test_a_served_engine_with_mixed_weights_refuses_completions_until_that_role_
     import openai
     from safetensors.torch import load_file
 
-    from vllm_plugin.served_weights import ServedWeights
+    from vllm_plugin.weights.served_weights import ServedWeights
 
     client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
     weights = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
@@ -446,7 +446,7 @@ def test_a_policy_left_a_mix_through_vllm_s_own_routes_serves_no_completion(
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weight_transfer import HTTPClient, ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.trainer import HTTPClient, ShmTrainerInitInfo, StateDictSource
 
     def push(weights: dict, version: int) -> None:
         WeightTransferTrainerFactory.trainer_init(
@@ -471,7 +471,7 @@ def _push_draft(url: str, weights: dict, version: int) -> None:
     sending a head over vLLM's RL routes with its HTTP client."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weight_transfer import HTTPClient, ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.trainer import HTTPClient, ShmTrainerInitInfo, StateDictSource
 
     sender = WeightTransferTrainerFactory.trainer_init(
         ShmTrainerInitInfo(rank=0, draft=True),
@@ -514,7 +514,7 @@ def test_vllms_http_client_pushes_a_draft_through_vllms_rl_routes(
     import requests
     from safetensors.torch import load_file
 
-    from vllm_plugin.served_weights import ServedWeights
+    from vllm_plugin.weights.served_weights import ServedWeights
 
     trained = load_file(Path(tiny_draft) / "model.safetensors")
     versions = ServedWeights(server, API_KEY, WEIGHTS_TOKEN)
@@ -546,7 +546,7 @@ def test_the_swap_route_refuses_to_start_without_its_keys_and_says_dev_mode_open
     from vllm.config import WeightTransferConfig
 
     from grpo_specdec.vllm_compat import reread_environment
-    from vllm_plugin.weights_endpoint import WeightsEndpoint
+    from vllm_plugin.weights.endpoint import WeightsEndpoint
 
     def engine(config):
         return Namespace(vllm_config=Namespace(weight_transfer_config=config))

@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from grpo_specdec.modelcheck import check_safetensors_complete
-from vllm_plugin.manifest import WeightSwapError, read_manifest
+from vllm_plugin.weights.manifest import WeightSwapError, read_manifest
 
 
 def _safetensors(path, header, data: bytes = b"") -> None:

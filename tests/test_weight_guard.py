@@ -91,7 +91,7 @@ def _rpc_trainer(engine, weights: dict):
     """A trainer reaching the engine only through `collective_rpc`, as verl's does."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weight_transfer import RPCClient, ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.trainer import RPCClient, ShmTrainerInitInfo, StateDictSource
 
     client = RPCClient(
         lambda method, kwargs: engine.llm.collective_rpc(method, kwargs=kwargs),
@@ -140,7 +140,7 @@ def test_a_load_whose_trainer_died_before_committing_it_is_undone_before_a_step(
     """The dead trainer's weights are in the model under the old version: the guard's
     question to the workers ends its session and undoes the load, and the requests run on
     the weights the engine had."""
-    from vllm_plugin.swap_folder import swap_folder
+    from vllm_plugin.weights.swap_folder import swap_folder
 
     reference = _generate(engine, questions)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

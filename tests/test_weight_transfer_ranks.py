@@ -1,6 +1,6 @@
 """Weight updates all or none across tensor-parallel ranks: an engine on the tiny models with
 TP = 2 on vLLM's CPU backend (two worker processes), updated through vLLM's weight-update
-API and the `grpo_shm` backend (vllm_plugin/shm_transfer.py)."""
+API and the `grpo_shm` backend (vllm_plugin/weights/shm_transfer.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import tiny_engine_config
-from vllm_plugin.manifest import MixedWeightsError
-from vllm_plugin.rank_weights import agreed_versions, merged_mixed
+from vllm_plugin.weights.manifest import MixedWeightsError
+from vllm_plugin.weights.rank_weights import agreed_versions, merged_mixed
 
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=24)
 

@@ -1,5 +1,5 @@
 """The weight-update lifecycle that both the trainer's clients and the served route run
-(vllm_plugin/weight_update.py), on a stand-in for `AsyncLLM` driven from another thread as
+(vllm_plugin/weights/lifecycle.py), on a stand-in for `AsyncLLM` driven from another thread as
 the route drives it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from vllm_plugin.weight_update import AsyncEngineClient, run_update
+from vllm_plugin.weights.lifecycle import AsyncEngineClient, run_update
 
 
 class _AsyncEngine:
@@ -101,7 +101,7 @@ def test_an_overdue_swap_that_ends_leaves_another_still_overdue_refusing():
     import asyncio
     from types import SimpleNamespace
 
-    from vllm_plugin.weights_endpoint import _refusal, mark_overdue
+    from vllm_plugin.weights.endpoint import _refusal, mark_overdue
 
     async def two_overdue_swaps():
         state = SimpleNamespace(grpo_mixed={}, grpo_stale_cache=None, grpo_overdue={})

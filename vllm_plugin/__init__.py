@@ -1,9 +1,9 @@
 """vLLM plugin of grpo-specdec.
 
 `register()` is the `vllm.general_plugins` entry point; vLLM calls it in every process it
-starts. It registers the `grpo_shm` weight-transfer backend (`shm_transfer`). Features
-(the concurrency-aware scheduler, the weight-swap extension, that backend) are opt-in by
-configuration. What it does unasked is patch vLLM 0.32 and 0.33 (see `patches/`, one
+starts. It registers the `grpo_shm` weight-transfer backend (`weights.shm_transfer`).
+Features (the concurrency-aware scheduler, the weight-swap extension, that backend) are
+opt-in by configuration. What it does unasked is patch vLLM 0.32 and 0.33 (see `patches/`, one
 module each, bugs of vLLM's in `fixes/`, what this project adds in `features/`): on CPU,
 sampled speculative decoding that was not lossless and cost too much, sampled drafting
 that cost more than it gained, engine starts that recompiled every time, aborted at
@@ -40,7 +40,7 @@ def register() -> None:
     global LOADED, RUNNER
     LOADED = True
     # An extension point, not a patch: the `grpo_shm` weight-transfer backend.
-    from vllm_plugin import shm_transfer
+    from vllm_plugin.weights import shm_transfer
 
     shm_transfer.register()
     if os.environ.get("GRPO_SPECDEC_NO_PATCHES") == "1":

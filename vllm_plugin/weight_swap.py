@@ -1,13 +1,13 @@
 """Weight swaps into a running engine: the worker extension beside vLLM's RL API.
 
-Loading is the `grpo_shm` weight-transfer engine's (vllm_plugin/shm_transfer.py), driven
-through vLLM's RL API: `start_weight_update` (or `start_draft_weight_update`),
+Loading is the `grpo_shm` weight-transfer engine's (vllm_plugin/weights/shm_transfer.py),
+driven through vLLM's RL API: `start_weight_update` (or `start_draft_weight_update`),
 `update_weights({"path", "version"})`, `finish_weight_update`. Weights travel as a
-safetensors file that the caller put in the private swap folder (`swap_folder`; files
-anywhere else are refused), so nothing is pickled tensor by tensor and the same call works
-with the engine in-process, in its own process or on several tensor-parallel ranks. Each
-rank opens the file first and keeps it open while it is the last good one: the caller may
-remove it at any time. What a rank holds per role is `rank_weights.WeightSwaps`.
+safetensors file that the caller put in the private swap folder (`weights.swap_folder`;
+files anywhere else are refused), so nothing is pickled tensor by tensor and the same call
+works with the engine in-process, in its own process or on several tensor-parallel ranks.
+Each rank opens the file first and keeps it open while it is the last good one: the caller
+may remove it at any time. What a rank holds per role is `weights.rank_weights.WeightSwaps`.
 
 `WeightSwapExtension` (`LLM(..., worker_extension_cls=...)`) adds the calls vLLM's API has
 no room for: per-role versions from every rank, the abort (if another rank failed,
@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 
 from vllm_plugin.compat import end_weight_update
-from vllm_plugin.manifest import WeightSwapError
 from vllm_plugin.patches.features.group_drafts_v0_32 import group_drafter
-from vllm_plugin.shm_transfer import BACKEND, ShmWeightTransferEngine
+from vllm_plugin.weights.manifest import WeightSwapError
+from vllm_plugin.weights.shm_transfer import BACKEND, ShmWeightTransferEngine
 
 logger = logging.getLogger(__name__)
 

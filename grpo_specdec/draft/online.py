@@ -4,12 +4,12 @@ learning on them and pushes it into your vLLM engine through vLLM's weight-updat
 
     draft = OnlineDraft("path/to/policy", head="path/to/head")   # or new="eagle3"
     stats = draft.learn_from(policy_model, token_ids, prompt_lens)   # a DraftRound
-    draft.push(LLMClient(llm))     # or HTTPClient(url), RPCClient(...) (weight_transfer.py)
+    draft.push(LLMClient(llm))     # or HTTPClient(url), RPCClient(...) (vllm_plugin/weights)
 
 The draft learner (`learner.py` `DraftLearner`, the job's own) does the training, with its
 guards (non-finite steps skipped, a diverged head rolled back, versions that only grow);
 this adds the capture (`capture.py`, the same forward hooks the job's policy learner uses)
-and the push (`weight_transfer.ShmTrainerEngine` with `draft=True`)."""
+and the push (`vllm_plugin.weights.trainer.ShmTrainerEngine` with `draft=True`)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class OnlineDraft:
         if it is refused (the error is raised here). Returns the version sent."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from vllm_plugin.weight_transfer import ShmTrainerInitInfo, StateDictSource
+        from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
         weights, metadata, version, _ = self.learner.export()
         sender = WeightTransferTrainerFactory.trainer_init(

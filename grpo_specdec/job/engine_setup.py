@@ -8,8 +8,8 @@ from pathlib import Path
 
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.modelcheck import resolve_max_model_len
-from vllm_plugin.manifest import read_manifest
 from vllm_plugin.settings import profile_key, read_profile, store_path
+from vllm_plugin.weights.manifest import read_manifest
 
 
 def check_context_length(cfg: TrainConfig, policy: str, draft: str | None) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ray
 
-from vllm_plugin.manifest import MixedWeightsError
+from vllm_plugin.weights.manifest import MixedWeightsError
 
 
 class WeightSync:

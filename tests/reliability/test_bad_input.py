@@ -271,7 +271,7 @@ def test_learner_state_with_pickled_code_is_refused(learners, tmp_path, role):
 @pytest.fixture
 def private_base(tmp_path, monkeypatch):
     """Swap folders made under tmp_path instead of /dev/shm (where real swaps go)."""
-    from vllm_plugin import swap_folder
+    from vllm_plugin.weights import swap_folder
 
     monkeypatch.setattr(swap_folder, "SHARED_MEMORY", tmp_path)
     return tmp_path
@@ -287,9 +287,9 @@ def test_swap_folder_is_made_private_and_a_squatted_one_is_passed_by(
     import os
     import stat
 
-    from vllm_plugin import swap_folder as module
-    from vllm_plugin.manifest import WeightSwapError
-    from vllm_plugin.swap_folder import swap_folder
+    from vllm_plugin.weights import swap_folder as module
+    from vllm_plugin.weights.manifest import WeightSwapError
+    from vllm_plugin.weights.swap_folder import swap_folder
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(module, "_said", set())
@@ -326,8 +326,8 @@ def test_swap_folder_is_made_private_and_a_squatted_one_is_passed_by(
 def test_swap_files_outside_the_swap_folder_are_refused(private_base, tmp_path):
     import os
 
-    from vllm_plugin.manifest import WeightSwapError
-    from vllm_plugin.swap_folder import open_swap_file, swap_folder
+    from vllm_plugin.weights.manifest import WeightSwapError
+    from vllm_plugin.weights.swap_folder import open_swap_file, swap_folder
 
     outside = tmp_path / "secret.safetensors"
     outside.write_bytes(b"not for the swap route")

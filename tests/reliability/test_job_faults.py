@@ -15,8 +15,8 @@ from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.job.restarts import JobStopped, RestartBudget
 from tests.conftest import TINY_JOB_CONFIG as CONFIG
 from tests.conftest import job_overrides, job_records
-from vllm_plugin.manifest import MixedWeightsError
-from vllm_plugin.swap_folder import process_alive, swap_folder, writer_pid
+from vllm_plugin.weights.manifest import MixedWeightsError
+from vllm_plugin.weights.swap_folder import process_alive, swap_folder, writer_pid
 
 pytestmark = pytest.mark.slow
 

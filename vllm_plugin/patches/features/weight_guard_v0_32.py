@@ -63,7 +63,7 @@ class WeightGuard:
     asked_at: float = 0.0
 
     def learn(self, per_rank: list[dict], now: float) -> None:
-        from vllm_plugin.rank_weights import merged_mixed
+        from vllm_plugin.weights.rank_weights import merged_mixed
 
         sessions = sorted({r["session"] for r in per_rank if r["session"]})
         if sessions and self.session is None:

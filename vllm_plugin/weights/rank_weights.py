@@ -1,6 +1,6 @@
 """One rank's weights per role, validated, versioned, all or none (`WeightSwaps`), and how
 the ranks' reports combine. The `grpo_shm` weight-transfer engine (shm_transfer.py) loads
-through it; the worker extension (weight_swap.py) reads and aborts through it.
+through it; the worker extension (vllm_plugin/weight_swap.py) reads and aborts through it.
 
 Loading goes through vLLM's layerwise reload (`initialize_layerwise_reload` ...
 `finalize_layerwise_reload`, in vllm_plugin/compat.py), which re-runs each layer's
@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vllm_plugin.compat import layerwise_reload
-from vllm_plugin.manifest import (
+from vllm_plugin.weights.manifest import (
     Manifest,
     MixedWeightsError,
     WeightSwapError,
@@ -34,7 +34,7 @@ from vllm_plugin.manifest import (
     validate_metadata,
     validate_weights,
 )
-from vllm_plugin.swap_folder import open_swap_file
+from vllm_plugin.weights.swap_folder import open_swap_file
 
 logger = logging.getLogger(__name__)
 

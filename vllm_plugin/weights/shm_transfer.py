@@ -34,8 +34,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_plugin.group.drafter import stamp_policy_version
-from vllm_plugin.rank_weights import WeightSwaps
-from vllm_plugin.swap_folder import process_alive, writer_pid
+from vllm_plugin.weights.rank_weights import WeightSwaps
+from vllm_plugin.weights.swap_folder import process_alive, writer_pid
 
 # An update session that was opened and sent no weights for this long is taken for one
 # whose trainer died before its first file (a live trainer writes its file before it
@@ -148,7 +148,7 @@ def register() -> None:
 
     try:
         WeightTransferEngineFactory.register_engine(
-            BACKEND, "vllm_plugin.shm_transfer", "ShmWeightTransferEngine"
+            BACKEND, "vllm_plugin.weights.shm_transfer", "ShmWeightTransferEngine"
         )
     except ValueError:  # registered already (plugins load once per engine)
         pass

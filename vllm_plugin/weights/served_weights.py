@@ -1,6 +1,6 @@
 """Swap weights into a `vllm serve` engine on this machine, from another process (a
 trainer next to the server), through the plugin's token-checked `/v1/grpo/weights`
-route (`vllm_plugin.weights_endpoint`): the API key, and for a swap the server's weights
+route (`vllm_plugin.weights.endpoint`): the API key, and for a swap the server's weights
 token (default: GRPO_SPECDEC_WEIGHTS_TOKEN, as the server reads it)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import urllib.request
 
 import torch
 
-from vllm_plugin.swap_folder import swap_file
+from vllm_plugin.weights.swap_folder import swap_file
 
 # The route's own token (not the API key): the server reads it from TOKEN_ENV, a swap
 # carries it in TOKEN_HEADER.

@@ -11,7 +11,7 @@ model of new weights. Resetting the prefix cache afterwards is the caller's, sin
 reports a failed reset its own way.
 
 The transports of control differ, the lifecycle does not: the trainer's `ShmTrainerEngine`
-(vllm_plugin/weight_transfer.py) runs it through a client of an `LLM`, of a `vllm serve`
+(vllm_plugin/weights/trainer.py) runs it through a client of an `LLM`, of a `vllm serve`
 or of a `collective_rpc`; the served route `POST /v1/grpo/weights` through
 `AsyncEngineClient`.
 """

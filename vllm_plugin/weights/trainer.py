@@ -1,4 +1,4 @@
-"""The trainer's side of the `grpo_shm` weight transfer (vllm_plugin/shm_transfer.py), in
+"""The trainer's side of the `grpo_shm` weight transfer (vllm_plugin/weights/shm_transfer.py), in
 vLLM's trainer API (0.32 and 0.33): a `TrainerWeightTransferEngine` registered as `grpo_shm` with
 `WeightTransferTrainerFactory`, driven through any `VLLMWeightSyncClient`.
 
@@ -7,7 +7,7 @@ vLLM's trainer API (0.32 and 0.33): a `TrainerWeightTransferEngine` registered a
     engine.send_weights(version=7)
 
 `send_weights` writes the source's tensors to the private swap folder and drives one
-update through vLLM's lifecycle (vllm_plugin/weight_update.py: a failed load is undone on
+update through vLLM's lifecycle (vllm_plugin/weights/lifecycle.py: a failed load is undone on
 every rank, a session a dead trainer left open is ended first); then the prefix cache is
 reset with the running requests recomputed, so that none computes with KV of the old
 weights (vLLM's update does not do it). Clients: `LLMClient` (an `LLM` in this
@@ -34,9 +34,9 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from vllm_plugin.compat import full_weights
-from vllm_plugin.shm_transfer import BACKEND
-from vllm_plugin.swap_folder import swap_file
-from vllm_plugin.weight_update import merged_session_ends, run_update
+from vllm_plugin.weights.lifecycle import merged_session_ends, run_update
+from vllm_plugin.weights.shm_transfer import BACKEND
+from vllm_plugin.weights.swap_folder import swap_file
 
 
 @dataclass

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_plugin.manifest import WeightSwapError
 from vllm_plugin.settings import cache_dir
+from vllm_plugin.weights.manifest import WeightSwapError
 
 logger = logging.getLogger(__name__)
 
