@@ -1,12 +1,19 @@
-"""Shared set-up of the benchmarks: SmolLM2, its EAGLE head and its latency profile,
-each rebuilt by the project's own commands when absent."""
+"""Shared by the benchmarks: their set-up (SmolLM2, its EAGLE head and its latency profile,
+each rebuilt by the project's own commands when absent), their command lines, and the one
+path by which every study is written: prose from benchmarks/templates/, tables in a stable
+row order, the file whole (`write_study`)."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import re
+import shlex
+import string
 import subprocess
 import sys
+from collections.abc import Iterable
 from datetime import date
 from pathlib import Path
 
@@ -24,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 ASSETS = DOCS / "assets"
 STUDIES = DOCS / "benchmarks"  # one file per study, each rewritten whole by its benchmark
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # the studies' prose
 STALE_NOTES = (
     "> **Written for an earlier run.** The results above changed since these notes were "
     "written: check every figure they quote against them, then delete this line."
@@ -58,6 +66,18 @@ def warmed(make):
         return copy.deepcopy(first)
 
     return maker
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An entry point's argument parser, its module docstring as the help."""
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def command() -> str:
+    """The command line this process was started with, as a study quotes it."""
+    return shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
 
 
 def protocol_args(ap, repeats: bool = True) -> None:
@@ -161,6 +181,44 @@ def smollm2_profile(
         str(ASSETS / f"profile_{name}.png"),
     )
     return out
+
+
+@functools.cache
+def _templates(name: str) -> dict[str, str]:
+    parts = re.split(r"^<!-- (\w+) -->\n", (TEMPLATES / f"{name}.md").read_text(), flags=re.M)
+    return dict(zip(parts[1::2], (p.strip() for p in parts[2::2]), strict=True))
+
+
+def prose(name: str, block: str, **fields) -> str:
+    """Block `block` of benchmarks/templates/NAME.md with its $fields filled in. The
+    templates wrap their lines; a study's paragraph is one line, so a line joins the one
+    before it unless either is a heading or a table row, or it starts a list item."""
+    text = string.Template(_templates(name)[block]).substitute(fields)
+    lines: list[str] = []
+    for line in text.split("\n"):
+        line = line.strip()
+        joins = lines and lines[-1] and not lines[-1].startswith(("|", "#"))
+        if joins and line and not line.startswith(("- ", "|", "#")):
+            lines[-1] += " " + line
+        else:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def table(header: list[str], rows: Iterable[list]) -> list[str]:
+    """A markdown table's lines: `header`, then each row in the order given."""
+
+    def line(cells) -> str:
+        return "| " + " | ".join(map(str, cells)) + " |"
+
+    return [line(header), "|---" * len(header) + "|", *map(line, rows)]
+
+
+def ordered(names: Iterable[str], order: Iterable[str]) -> list[str]:
+    """`names` in a stable order: those in `order` as they stand there, then the rest
+    sorted."""
+    rank = {n: i for i, n in enumerate(order)}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
 def write_study(study: str, title: str, results: str, script: str, today: str = "") -> Path:

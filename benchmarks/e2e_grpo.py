@@ -31,11 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 from benchmarks.common import (
     ASSETS,
     ROOT,
+    parser,
+    prose,
     protocol_args,
     quiet_machine,
     smollm2,
     smollm2_head,
     smollm2_profile,
+    table,
     write_study,
 )
 from grpo_specdec.config import load_yaml
@@ -200,50 +203,31 @@ def report(shape: str, s: dict, iterations: int, group: int) -> str:
     if a:
         share = a["generation_s"] / a["iteration_s"]
         lines += [f"Generation is {100 * share:.0f}% of an iteration without speculation.", ""]
-    columns = [
-        "config",
-        "generation s/iter",
-        "policy update s",
-        "draft train s",
-        "sync s",
-        "iteration s",
-    ]
+    columns = ["config", "generation s/iter", "policy update s", "draft train s", "sync s"]
+    columns += ["iteration s"]
     if a:
         columns += ["generation speedup vs (a)", "end-to-end speedup vs (a)"]
     columns += ["reward", f"paired t vs ({ref})"]
-    lines += ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    for key in keys:
+
+    def row(key: str) -> list:
         r = s[key]
-        row = (
-            f"| ({key}) {CONFIGS[key][0]} | {r['generation_s']:.1f} | {r['policy_update_s']:.1f} | "
-            f"{r['draft_train_s']:.1f} | {r['sync_s']:.2f} | {r['iteration_s']:.1f} | "
-        )
+        cells = [f"({key}) {CONFIGS[key][0]}", f"{r['generation_s']:.1f}"]
+        cells += [f"{r['policy_update_s']:.1f}", f"{r['draft_train_s']:.1f}", f"{r['sync_s']:.2f}"]
+        cells += [f"{r['iteration_s']:.1f}"]
         if a:
-            row += (
-                f"{a['generation_s'] / r['generation_s']:.2f}x | "
-                f"{a['iteration_s'] / r['iteration_s']:.2f}x | "
-            )
-        t = "-" if key == ref else f"{paired_t(prompt_means(r['rewards'], group), ref_means):+.2f}"
-        lines.append(row + f"{r['reward']:.3f} | {t} |")
-    if len(keys) > 1:
-        lines += [
-            "",
-            f"paired t vs ({ref}): each prompt's mean reward over its {group} samples minus "
-            f"({ref})'s on the same prompt (every configuration draws the same prompts), "
-            f"t of these differences over the {len(ref_means)} prompts ({len(ref_means) - 1} "
-            "degrees of freedom). A prompt's samples are not independent of each other, so "
-            "the prompt is the unit. |t| < 2 means the rewards agree within sampling noise, "
-            "as lossless speculation should.",
+            cells += [f"{a[f] / r[f]:.2f}x" for f in ("generation_s", "iteration_s")]
+        means = prompt_means(r["rewards"], group)
+        return cells + [
+            f"{r['reward']:.3f}",
+            "-" if key == ref else f"{paired_t(means, ref_means):+.2f}",
         ]
-    q = max(1, iterations // 4)
-    lines += [
-        "",
-        f"Trends: mean over the first {q} vs the last {q} iterations, and the least-squares slope per iteration.",
-        "",
-        "| config | reward first → last | reward slope | mean acceptance length first → last | acceptance length slope | draft lag (policy versions) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for key in keys:
+
+    lines += table(columns, map(row, keys))
+    if len(keys) > 1:
+        fields = {"ref": ref, "group": group, "prompts": len(ref_means)}
+        lines += ["", prose("e2e_grpo", "paired_t", **fields, freedom=len(ref_means) - 1)]
+
+    def trends(key: str) -> list:
         r = s[key]
         rf, rl, rs = trend(reward_per_iteration[key])
         mf, ml, ms = trend(r["mal"])
@@ -252,19 +236,23 @@ def report(shape: str, s: dict, iterations: int, group: int) -> str:
             lag = ", ".join(map(str, lags)) or "-"
         else:  # saved before the job logged the lag
             lag = "not recorded"
-        lines.append(
-            f"| ({key}) | {rf:.3f} → {rl:.3f} | {rs:+.4f} | {mf:.2f} → {ml:.2f} | {ms:+.4f} | {lag} |"
-        )
-    lines += [
-        "",
-        "Per iteration (reward mean / mean acceptance length):",
-        "",
-        "| iteration | " + " | ".join(f"({k})" for k in keys) + " |",
-        "|---" * (len(keys) + 1) + "|",
-    ]
-    for i in range(iterations):
-        cells = [f"{reward_per_iteration[k][i]:.3f} / {s[k]['mal'][i]:.2f}" for k in keys]
-        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+        return [f"({key})", f"{rf:.3f} → {rl:.3f}", f"{rs:+.4f}", f"{mf:.2f} → {ml:.2f}"] + [
+            f"{ms:+.4f}",
+            lag,
+        ]
+
+    header = ["config", "reward first → last", "reward slope"]
+    header += ["mean acceptance length first → last", "acceptance length slope"]
+    lines += ["", prose("e2e_grpo", "trends", quarter=max(1, iterations // 4)), ""]
+    lines += table([*header, "draft lag (policy versions)"], map(trends, keys))
+    lines += ["", "Per iteration (reward mean / mean acceptance length):", ""]
+    lines += table(
+        ["iteration", *(f"({k})" for k in keys)],
+        (
+            [i + 1, *(f"{reward_per_iteration[k][i]:.3f} / {s[k]['mal'][i]:.2f}" for k in keys)]
+            for i in range(iterations)
+        ),
+    )
     if set(keys) == set(CONFIGS):
         e, b = s["e"], s["b"]
         lines += [
@@ -380,9 +368,7 @@ def section(data: dict, rebuilt: bool) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     ap.add_argument("--shape", choices=list(SHAPES), default="default")
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--k", type=int, default=4)

@@ -23,9 +23,7 @@ there (delete the file, or --fresh, to measure again).
 
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -38,9 +36,14 @@ from benchmarks.common import (
     ASSETS,
     ROOT,
     cli,
+    command,
     fresh_controller,
+    ordered,
+    parser,
+    prose,
     protocol_args,
     quiet_machine,
+    table,
     warmed,
     write_study,
 )
@@ -64,6 +67,15 @@ END_AT_T1 = "end at T = 1"  # no comma: --points splits on commas
 # Ours from the state its first (warm-up) rollout left, as the job's engine after its first
 # rollout; "ours, online head" starts every round with nothing learnt.
 WARMED = "ours, online head, warmed"
+POINTS = ("start", "middle", "end", END_AT_T1)  # the side-by-side rollouts, in the study's order
+# The side-by-side configurations, in the study's order.
+CONFIGS = (
+    "no speculation",
+    "ours, online head",
+    WARMED,
+    "ours, initial head",
+    *(f"fixed k = {k}, online head" for k in FIXED_K),
+)
 
 
 def train(args, data: dict) -> None:
@@ -333,32 +345,28 @@ def rounded_to_bfloat16(run: str, out: Path) -> str:
 
 
 def held_out_lines(evals: dict) -> list[str]:
-    lines = [
-        f"`grpo-specdec eval --model M --num {EVAL_EXAMPLES} --max-tokens {EVAL_MAX_TOKENS} "
-        "--dtype D` on the start policy (`--model smollm2`) and the run's last checkpoint, one "
-        "plain engine configuration for both (greedy, 95% Wilson interval):",
-        "",
-        "| engine dtype | start | end | end / start | points |",
-        "|---|---|---|---|---|",
-    ]
     rows = [(dtype, f"start/{dtype}", f"end/{dtype}") for dtype in EVAL_DTYPES]
-    rows.append(
-        (
-            f"float32, the end's weights {ROUNDED.split(', ')[1]}",
-            "start/float32",
-            f"{ROUNDED}/float32",
-        )
-    )
-    for label, start_key, end_key in rows:
-        start, end = evals.get(start_key), evals.get(end_key)
-        if start and end:
-            lines.append(
-                f"| {label} | {start['accuracy']:.3f} [{start['interval'][0]:.3f}, "
-                f"{start['interval'][1]:.3f}] | {end['accuracy']:.3f} [{end['interval'][0]:.3f}, "
-                f"{end['interval'][1]:.3f}] | {end['accuracy'] / max(start['accuracy'], 1e-9):.2f}x "
-                f"| {100 * (end['accuracy'] - start['accuracy']):+.1f} |"
-            )
-    return lines
+    rows.append((f"float32, the end's weights {ROUNDED.split(', ')[1]}", "start/float32"))
+    rows[-1] += (f"{ROUNDED}/float32",)
+    fields = {"examples": EVAL_EXAMPLES, "max_tokens": EVAL_MAX_TOKENS}
+    return [
+        prose("learning_run", "held_out", **fields),
+        "",
+        *table(
+            ["engine dtype", "start", "end", "end / start", "points"],
+            (
+                [label, _accuracy(start), _accuracy(end)]
+                + [f"{end['accuracy'] / max(start['accuracy'], 1e-9):.2f}x"]
+                + [f"{100 * (end['accuracy'] - start['accuracy']):+.1f}"]
+                for label, start, end in ((r[0], evals.get(r[1]), evals.get(r[2])) for r in rows)
+                if start and end
+            ),
+        ),
+    ]
+
+
+def _accuracy(e: dict) -> str:
+    return f"{e['accuracy']:.3f} [{e['interval'][0]:.3f}, {e['interval'][1]:.3f}]"
 
 
 def _slope(ys: list[float], boot: int = 4000) -> tuple[float, float, float]:
@@ -379,6 +387,16 @@ def _slope(ys: list[float], boot: int = 4000) -> tuple[float, float, float]:
     return fit(points), slopes[int(0.025 * (boot - 1))], slopes[int(0.975 * (boot - 1))]
 
 
+def point_names(points: dict) -> list[str]:
+    """The points in a stable order: by iteration, then as POINTS lists them."""
+    return sorted(ordered(points, POINTS), key=lambda n: points[n]["iteration"])
+
+
+def config_rows(configs: dict) -> list[str]:
+    """A point's configurations in a stable order (a run saved them in its first round's)."""
+    return ordered(configs, CONFIGS)
+
+
 def report(data: dict) -> str:
     from grpo_specdec.bench.compare import k_by_batch_text
 
@@ -386,135 +404,142 @@ def report(data: dict) -> str:
     first, last = evals[0], evals[-1]
     slope, low, high = _slope([r["reward_mean"] for r in records])
     training = data["training"]
+    learning = prose(
+        "learning_run",
+        "learning",
+        command=training.get("command", data["command"]),
+        hardware=data["hardware"],
+        note=training.get("machine", data["machine"])["note"],
+        iterations=len(records),
+        minutes=f"{training['wall_s'] / 60:.0f}",
+        resumed=" (resumed once)" if training["resumed"] else "",
+        examples=first["examples"],
+        first=_accuracy(first),
+        last=_accuracy(last),
+        last_iteration=last["iteration"],
+        ratio=f"{last['accuracy'] / max(first['accuracy'], 1e-9):.2f}",
+        points=f"{100 * (last['accuracy'] - first['accuracy']):+.1f}",
+        slope=f"{slope:+.4f}",
+        low=f"{low:+.4f}",
+        high=f"{high:+.4f}",
+    )
     lines = [
-        f"Training measured with `{training.get('command', data['command'])}` on "
-        f"{data['hardware']}. {training.get('machine', data['machine'])['note']}",
-        "",
-        f"### Learning: {len(records)} iterations of the shipped recipe in "
-        f"{data['training']['wall_s'] / 60:.0f} minutes"
-        + (" (resumed once)" if data["training"]["resumed"] else ""),
-        "",
-        f"Held-out greedy accuracy ({first['examples']} problems never trained on, 95% Wilson "
-        f"interval): {first['accuracy']:.3f} [{first['interval'][0]:.3f}, "
-        f"{first['interval'][1]:.3f}] before training, {last['accuracy']:.3f} "
-        f"[{last['interval'][0]:.3f}, {last['interval'][1]:.3f}] after iteration "
-        f"{last['iteration']}: {last['accuracy'] / max(first['accuracy'], 1e-9):.2f}x, "
-        f"{100 * (last['accuracy'] - first['accuracy']):+.1f} points. Reward slope "
-        f"{slope:+.4f} per iteration, 95% interval [{low:+.4f}, {high:+.4f}].",
+        learning,
         "",
         *(held_out_lines(data["held_out"]) + [""] if data.get("held_out") else []),
-        "| iteration | reward | accuracy (train samples) | entropy at T=1 | MAL in the rollout "
-        "(online head) | head's top-1 on the rollout | draft lag | held-out greedy accuracy |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    header = ["iteration", "reward", "accuracy (train samples)", "entropy at T=1"]
+    header += ["MAL in the rollout (online head)", "head's top-1 on the rollout", "draft lag"]
     by_eval = {e["iteration"]: e for e in evals}
-    if 0 in by_eval:
-        lines.append(f"| 0 | | | | | | | {by_eval[0]['accuracy']:.3f} |")
-    for r in records:
+
+    def row(r: dict) -> list:
         e = by_eval.get(r["iteration"])
-        held_out = f"{e['accuracy']:.3f}" if e else ""
         drafted = any(int(k) > 0 for k in r["k_steps"])
         mal = f"{r['mean_acceptance_length']:.2f}" if drafted else "none drafted (k = 0)"
-        lines.append(
-            f"| {r['iteration']} | {r['reward_mean']:.3f} | {r['accuracy']:.3f} | "
-            f"{r.get('policy_entropy', float('nan')):.3f} | {mal} | "
-            f"{r.get('draft_top1', float('nan')):.3f} | {r.get('draft_policy_lag', '-')} | "
-            f"{held_out} |"
-        )
-    lines += [
-        "",
-        f"### Speculation as the policy learns: the tail shape ({PROMPTS} prompts x {GROUP} "
-        f"samples, budgets log-normal around {MEDIAN} under a {CAP} cap), side by side",
-        "",
-        "Makespan, the median of each point's rounds (below) after a warm-up, order shuffled "
-        "per round; speedup over no speculation paired by round with its 95% interval. "
-        f"Sampled at the recipe's temperature, and the point '{END_AT_T1}' at T = 1.",
-        "",
-        *[
-            f"The {name} point measured with `{p['command']}` ({rounds(p['configs'])} rounds"
-            + (f", {rounds(p['natural']['configs'])} with natural EOS" if "natural" in p else "")
-            + f"). {p['machine']['note']}"
-            for name, p in data.get("points", {}).items()
-            if "command" in p
-        ],
-        "",
-        "'after EOS': of the tokens each configuration made (the reference rollout's lengths, "
-        "EOS ignored), those after a request's first EOS, text a real rollout never makes; its "
-        "MAL counts them too, 'MAL before EOS' only the verifications that began before it.",
-        "",
-        "| point | iteration | config | makespan s | speedup [95% interval] | verdict | MAL | "
-        "MAL before EOS | after EOS |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, p in sorted(data.get("points", {}).items(), key=lambda kv: kv[1]["iteration"]):
-        for config, v in p["configs"].items():
-            sp = v["speedup"]
-            lines.append(
-                f"| {name} | {p['iteration']} | {config} | {v['makespan_s']:.1f} | "
-                f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}] | "
-                f"{'-' if config == 'no speculation' else sp['verdict']} | {v['mal']:.2f} | "
-                + (f"{v['mal_before_eos']:.2f} | " if "mal_before_eos" in v else "- | ")
-                + (
-                    f"{v['tokens_after_eos']:.0f} of {v['tokens']}"
-                    if "tokens_after_eos" in v
-                    else "-"
-                )
-                + " |"
-            )
-    natural = {n: p for n, p in data.get("points", {}).items() if "natural" in p}
-    if natural:
-        lines += [
-            "",
-            "Natural EOS: the same prompts and budgets, each configuration's own answers "
-            "(no EOS ignored, no per-request seeds), the rounds above after a "
-            "warm-up, order shuffled per round. Lengths differ by chance between rounds and "
-            "configurations, so the makespan's spread is shown.",
-            "",
-            "| point | iteration | config | makespan s, median [min, max] | speedup [95% "
-            "interval] | verdict | MAL | tokens, median | steps with k > 0 |",
-            "|---|---|---|---|---|---|---|---|---|",
+        return [r["iteration"], f"{r['reward_mean']:.3f}", f"{r['accuracy']:.3f}"] + [
+            f"{r.get('policy_entropy', float('nan')):.3f}",
+            mal,
+            f"{r.get('draft_top1', float('nan')):.3f}",
+            r.get("draft_policy_lag", "-"),
+            f"{e['accuracy']:.3f}" if e else "",
         ]
-        for name, p in sorted(natural.items(), key=lambda kv: kv[1]["iteration"]):
-            for config, v in p["natural"]["configs"].items():
-                sp, runs = v["speedup"], v["makespan_s_runs"]
-                steps = [sum(h.values()) for h in v["k_steps"]]
-                drafted = [sum(n for k, n in h.items() if int(k) > 0) for h in v["k_steps"]]
-                share = f"{sum(drafted) / sum(steps):.0%}" if sum(steps) else "-"
-                lines.append(
-                    f"| {name} | {p['iteration']} | {config} | {v['makespan_s']:.2f} "
-                    f"[{min(runs):.2f}, {max(runs):.2f}] | {sp['median']:.2f}x [{sp['low']:.2f}, "
-                    f"{sp['high']:.2f}] | {'-' if config == 'no speculation' else sp['verdict']} "
-                    f"| {v['mal']:.2f} | {statistics.median(v['tokens_runs']):.0f} | {share} |"
-                )
+
+    learning_table = table([*header, "held-out greedy accuracy"], map(row, records))
+    if 0 in by_eval:  # before training: the held-out accuracy alone
+        learning_table.insert(2, f"| 0 | | | | | | | {by_eval[0]['accuracy']:.3f} |")
+    lines += learning_table
+    points = data.get("points", {})
+    names = point_names(points)
+    measured = [
+        f"The {name} point measured with `{points[name]['command']}` "
+        f"({rounds(points[name]['configs'])} rounds"
+        + (
+            f", {rounds(points[name]['natural']['configs'])} with natural EOS"
+            if "natural" in points[name]
+            else ""
+        )
+        + f"). {points[name]['machine']['note']}"
+        for name in names
+        if "command" in points[name]
+    ]
+    fields = {"prompts": PROMPTS, "group": GROUP, "median": MEDIAN, "cap": CAP, "t1": END_AT_T1}
+    lines += ["", prose("learning_run", "side_by_side", **fields), "", *measured, ""]
+    lines += [prose("learning_run", "after_eos"), ""]
+
+    def verdict(config: str, v: dict) -> str:
+        return "-" if config == "no speculation" else v["speedup"]["verdict"]
+
+    def speedup(v: dict) -> str:
+        sp = v["speedup"]
+        return f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}]"
+
+    header = ["point", "iteration", "config", "makespan s", "speedup [95% interval]", "verdict"]
+    lines += table(
+        [*header, "MAL", "MAL before EOS", "after EOS"],
+        (
+            [name, points[name]["iteration"], config, f"{v['makespan_s']:.1f}", speedup(v)]
+            + [verdict(config, v), f"{v['mal']:.2f}"]
+            + [f"{v['mal_before_eos']:.2f}" if "mal_before_eos" in v else "-"]
+            + [f"{v['tokens_after_eos']:.0f} of {v['tokens']}" if "tokens_after_eos" in v else "-"]
+            for name in names
+            for config, v in (
+                (c, points[name]["configs"][c]) for c in config_rows(points[name]["configs"])
+            )
+        ),
+    )
+    natural = [name for name in names if "natural" in points[name]]
+    if natural:
+        header = ["point", "iteration", "config", "makespan s, median [min, max]"]
+        header += ["speedup [95% interval]", "verdict", "MAL", "tokens, median"]
+
+        def natural_row(name: str, config: str, v: dict) -> list:
+            runs = v["makespan_s_runs"]
+            steps = [sum(h.values()) for h in v["k_steps"]]
+            drafted = [sum(n for k, n in h.items() if int(k) > 0) for h in v["k_steps"]]
+            return [
+                name,
+                points[name]["iteration"],
+                config,
+                f"{v['makespan_s']:.2f} [{min(runs):.2f}, {max(runs):.2f}]",
+                speedup(v),
+                verdict(config, v),
+                f"{v['mal']:.2f}",
+                f"{statistics.median(v['tokens_runs']):.0f}",
+                f"{sum(drafted) / sum(steps):.0%}" if sum(steps) else "-",
+            ]
+
+        rows = [
+            (name, config, points[name]["natural"]["configs"][config])
+            for name in natural
+            for config in config_rows(points[name]["natural"]["configs"])
+        ]
+        lines += ["", prose("learning_run", "natural"), ""]
+        lines += table([*header, "steps with k > 0"], (natural_row(*r) for r in rows))
         histograms = [
             f"- {name}, {config}: {k_by_batch_text(v['k_by_batch'])}"
-            for name, p in sorted(natural.items(), key=lambda kv: kv[1]["iteration"])
-            for config, v in p["natural"]["configs"].items()
+            for name, config, v in rows
             if v.get("k_by_batch") and config != "no speculation"
         ]
         if histograms:
             lines += ["", "Steps per k by range of running requests B, all natural-EOS rounds:"]
             lines += ["", *histograms]
-    agreement = {n: p["rewards"] for n, p in data.get("points", {}).items() if "rewards" in p}
+    agreement = [name for name in names if "rewards" in points[name]]
     if agreement:
-        lines += [
-            "",
-            "Rewards with and without speculation (ours, online head): the same held-out "
-            "problems answered by each engine at the point's temperature, each prompt's mean "
-            "reward paired over prompts (|t| < 2: the rewards agree within sampling noise).",
-            "",
-            "| point | prompts x samples | reward, no speculation | reward, ours | paired t |",
-            "|---|---|---|---|---|",
-        ]
-        for name, r in agreement.items():
+
+        def agreement_row(name: str) -> list:
+            r = points[name]["rewards"]
             plain_mean, ours_mean = (
-                statistics.mean(r["prompt_means"][c])
+                f"{statistics.mean(r['prompt_means'][c]):.3f}"
                 for c in ("no speculation", "ours, online head")
             )
-            lines.append(
-                f"| {name} | {r['prompts']} x {r['samples']} | {plain_mean:.3f} | "
-                f"{ours_mean:.3f} | {r['paired_t']:+.2f} |"
-            )
+            return [name, f"{r['prompts']} x {r['samples']}", plain_mean, ours_mean]
+
+        header = ["point", "prompts x samples", "reward, no speculation", "reward, ours"]
+        lines += ["", prose("learning_run", "rewards"), ""]
+        lines += table(
+            [*header, "paired t"],
+            ([*agreement_row(n), f"{points[n]['rewards']['paired_t']:+.2f}"] for n in agreement),
+        )
     lines += ["", f"![learning curve and speedup](../assets/{STUDY}.png)"]
     if ABLATION.is_file():
         lines += ["", *ablation_table(json.loads(ABLATION.read_text())["arms"], data)]
@@ -535,26 +560,30 @@ def ablation_table(arms: list[dict], data: dict) -> list[str]:
         "stopped": None,
         **data["training"],
     }
-    lines = [
-        "### Ablation: the recipes tried, one run each on this machine",
-        "",
-        "| recipe | what differs | iterations | held-out greedy accuracy by iteration | "
-        "reward slope [95%] | entropy at T=1, first -> last | response tokens, first -> last |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for arm in [*arms, shipped]:
+
+    def row(arm: dict) -> list:
         records, evals = arm["records"], arm["evals"]
         slope, low, high = _slope([r["reward_mean"] for r in records])
-        accuracy = ", ".join(f"{e['iteration']}: {e['accuracy']:.2f}" for e in evals)
-        lines.append(
-            f"| {arm['name']} | {arm['change']} | {len(records)}"
-            + (f" ({arm['stopped']})" if arm["stopped"] else "")
-            + f" | {accuracy} | {slope:+.4f} [{low:+.4f}, {high:+.4f}] | "
-            f"{records[0]['policy_entropy']:.2f} -> {records[-1]['policy_entropy']:.2f} | "
-            f"{records[0]['response_length']:.0f} -> {records[-1]['response_length']:.0f} |"
-        )
-    lines += ["", "Commands: " + "; ".join(f"{a['name']}: `{a['command']}`" for a in arms)]
-    return lines
+        stopped = f" ({arm['stopped']})" if arm["stopped"] else ""
+        return [
+            arm["name"],
+            arm["change"],
+            f"{len(records)}{stopped}",
+            ", ".join(f"{e['iteration']}: {e['accuracy']:.2f}" for e in evals),
+            f"{slope:+.4f} [{low:+.4f}, {high:+.4f}]",
+            f"{records[0]['policy_entropy']:.2f} -> {records[-1]['policy_entropy']:.2f}",
+            f"{records[0]['response_length']:.0f} -> {records[-1]['response_length']:.0f}",
+        ]
+
+    header = ["recipe", "what differs", "iterations", "held-out greedy accuracy by iteration"]
+    header += ["reward slope [95%]", "entropy at T=1, first -> last"]
+    return [
+        "### Ablation: the recipes tried, one run each on this machine",
+        "",
+        *table([*header, "response tokens, first -> last"], map(row, [*arms, shipped])),
+        "",
+        "Commands: " + "; ".join(f"{a['name']}: `{a['command']}`" for a in arms),
+    ]
 
 
 def plot(data: dict) -> None:
@@ -620,16 +649,14 @@ def plot(data: dict) -> None:
 
 def main() -> None:
     global STUDY, SAVED
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     ap.add_argument("--iterations", type=int, default=25)
     ap.add_argument("--out", default=str(ROOT / "runs" / "learning"))
     ap.add_argument("--report-only", action="store_true", help="the study from the saved JSON")
     ap.add_argument("--fresh", action="store_true", help="measure everything again")
     ap.add_argument(
         "--points",
-        default=f"start,middle,end,{END_AT_T1}",
+        default=",".join(POINTS),
         help="which side-by-side rollouts to measure",
     )
     protocol_args(ap)
@@ -657,7 +684,7 @@ def main() -> None:
             "machine": quiet_machine(args),
             "hardware": hardware_name(),
             "args": vars(args),
-            "command": shlex.join(["python", "benchmarks/learning_run.py", *sys.argv[1:]]),
+            "command": command(),
         }
         ASSETS.mkdir(parents=True, exist_ok=True)
         if "training" not in data:

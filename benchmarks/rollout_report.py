@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ASSETS
+from benchmarks.common import ASSETS, ordered, prose, table
 from grpo_specdec.bench.measure import speedup
 from grpo_specdec.bench.tail_shape import in_flight, tail_phase_s
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES
@@ -17,6 +17,27 @@ from vllm_plugin.acceptance import conditional_from_cumulative
 TAIL_FRACTION = 0.1  # the tail phase: after all but this share of the requests finished
 FEW_IN_FLIGHT = 8  # "few sequences in flight": B at or below this
 VLLM_EXAMPLE_TABLES_NAMES = [f"vLLM example table ({n})" for n in VLLM_EXAMPLE_TABLES]
+# The configurations in the order the study's tables list them (a run saves them in its own).
+FIXED_KS = [f"k={k}" for k in range(1, 9)]
+CONFIGS = [
+    "no spec",
+    "k=0 (draft loaded)",
+    "k=0, vLLM as shipped",
+    *FIXED_KS,
+    "static table",
+    *VLLM_EXAMPLE_TABLES_NAMES,
+    "paper rule",
+    "ours",
+    "ours, warmed",
+    "ours, no profile, warmed",
+    "group",
+    "group +history",
+    "ours + group",
+    "ours + group +history",
+    *(f"sampled {k}" for k in FIXED_KS),
+    "sampled ours",
+    "sampled ours + group",
+]
 
 
 def mean_conditional(per_position: list[list[float]]) -> list[float]:
@@ -94,14 +115,13 @@ def _x(v: dict) -> str:
 
 
 def _ratio_table(per_key: dict, keys: list[str], header: list[str]) -> list[str]:
-    names = list(per_key[keys[0]])
-    lines = ["| config | " + " | ".join(header) + " |", "|---|" + "---|" * len(keys)]
-    for n in names:
-        cells = []
-        for key in keys:
-            cells.append(f"{per_key[key][n]['tokens_per_s']:.0f} ({_x(per_key[key][n])})")
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    return lines
+    return table(
+        ["config", *header],
+        (
+            [n, *(f"{per_key[k][n]['tokens_per_s']:.0f} ({_x(per_key[k][n])})" for k in keys)]
+            for n in ordered(per_key[keys[0]], CONFIGS)
+        ),
+    )
 
 
 def _fixed_summary(fixed: dict, keys: list[str]) -> str:
@@ -135,26 +155,21 @@ def _fixed_summary(fixed: dict, keys: list[str]) -> str:
 def report(r: dict) -> str:
     a = r["args"]
     res = r["results"]
-    lines = [
-        f"Measured with `{r.get('command', 'python benchmarks/rollout_throughput.py')}` on "
-        f"{r['hardware']}, "
-        f"k_max = {r['k_max']}, "
-        + (
-            f"head `{Path(a['head']).name}`"
-            if a.get("head")
-            else "default head (reduced vocabulary)"
-        )
-        + ", profiled C_peak = "
-        f"{r['c_peak']:.0f} tokens. Under the measurement protocol (`grpo_specdec/bench/measure.py`): "
-        "per workload every configuration warmed on it, then the median of "
-        f"{a['repeats']} rounds, each in a seeded shuffled order (orders in the JSON); every "
-        "configuration in one run, each from its own estimator and an empty prefix cache. "
-        "Generated tokens/s (speedup over no speculation, paired by round, with its 95% "
-        "bootstrap interval; gain or loss only where the interval excludes 1.0). "
-        + r.get("machine", {}).get("note", "Others' CPU share: not measured.")
-        + f" During the timed runs others took at most {_busiest(r)}.",
-        *(["", a["note"]] if a.get("note") else []),
-    ]
+    protocol = prose(
+        "rollout_throughput",
+        "protocol",
+        command=r.get("command", "python benchmarks/rollout_throughput.py"),
+        hardware=r["hardware"],
+        k_max=r["k_max"],
+        head=f"head `{Path(a['head']).name}`"
+        if a.get("head")
+        else "default head (reduced vocabulary)",
+        c_peak=f"{r['c_peak']:.0f}",
+        repeats=a["repeats"],
+        note=r.get("machine", {}).get("note", "Others' CPU share: not measured."),
+        busiest=_busiest(r),
+    )
+    lines = [protocol, *(["", a["note"]] if a.get("note") else [])]
     fixed = res.get("fixed", {})
     temps = sorted({k.split("/")[0] for k in fixed}, key=float)
     for temp in temps:
@@ -185,8 +200,8 @@ def report(r: dict) -> str:
             *_ratio_table(outside, keys, header),
         ]
     grpo = res.get("grpo", {})
-    for shape, per in grpo.items():
-        policy, n_prompts, group, cap = r["shapes"][shape]
+    for shape in ordered(grpo, r["shapes"]):
+        per, (policy, n_prompts, group, cap) = grpo[shape], r["shapes"][shape]
         what = (
             f"the policy after {a['trained_iterations']} iterations of `grpo-specdec train` "
             f"at lr {a['trained_lr']:g}, with its online head"
@@ -200,15 +215,16 @@ def report(r: dict) -> str:
             "",
             f"Share of wall time with at most {FEW_IN_FLIGHT} sequences in flight (ours): {few:.0%}.",
             "",
-            "| config | tokens/s | vs no spec | wall s | mean acceptance length "
-            "| group tokens drafted / accepted | model tokens drafted / accepted |",
-            "|---|---|---|---|---|---|---|",
+            *table(
+                ["config", "tokens/s", "vs no spec", "wall s", "mean acceptance length"]
+                + ["group tokens drafted / accepted", "model tokens drafted / accepted"],
+                (
+                    [n, f"{v['tokens_per_s']:.0f}", _x(v), f"{v['wall_s']:.1f}", f"{v['mal']:.2f}"]
+                    + [_by_source(v)]
+                    for n, v in ((n, per[n]) for n in ordered(per, CONFIGS))
+                ),
+            ),
         ]
-        for n, v in per.items():
-            lines.append(
-                f"| {n} | {v['tokens_per_s']:.0f} | {_x(v)} | "
-                f"{v['wall_s']:.1f} | {v['mal']:.2f} | {_by_source(v)} |"
-            )
     tail = res.get("tail", {}).get("tail")
     if tail:
         lines += ["", *_tail_report(tail, r)]
@@ -261,34 +277,31 @@ def _tail_report(per: dict, r: dict) -> list[str]:
     base, tail = per["no spec"], r["tail_shape"]
     fixed = [n for n in per if n.startswith(("k=", "sampled k=")) and not n.startswith("k=0")]
     best_fixed = min(fixed, key=lambda n: per[n]["makespan_s"], default=None)
-    lines = [
-        f"### Tail shape: {tail['prompts']} mixed-level prompts x {tail['group']} samples, T=1, "
-        f"each request its own budget under a {tail['cap']} cap (`grpo_specdec/tasks/length_budgets.py`)",
-        "",
-        "Each request makes exactly the tokens a seeded rollout with no speculation gave it "
-        f"({_endings(r)}), EOS then ignored, so every configuration does the same work "
-        "(a speculative engine samples with other random draws than the plain one, so even "
-        "under the same seeds its longest answers, which set the makespan, would differ). "
-        "Makespan: the rollout's wall time from its first scheduling to its last token; tail "
-        f"phase: from the moment {1 - TAIL_FRACTION:.0%} of the requests had finished to the "
-        "last. Speedups are no speculation's time over the configuration's (higher is better).",
-        "",
-        "'after EOS': the tokens a configuration made past a request's first EOS (text a "
-        "real rollout never makes, which its mean acceptance length counts too); 'MAL before "
-        "EOS': the mean acceptance length of the verifications that began before it.",
-        "",
-        "| config | makespan s | speedup | tail phase s | tail speedup | tokens/s | mean acceptance length "
-        "| MAL before EOS | after EOS | group tokens drafted / accepted | model tokens drafted / accepted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for n, v in per.items():
+    fields = {"endings": _endings(r), "finished": f"{1 - TAIL_FRACTION:.0%}", **tail}
+    header = ["config", "makespan s", "speedup", "tail phase s", "tail speedup", "tokens/s"]
+    header += ["mean acceptance length", "MAL before EOS", "after EOS"]
+    header += ["group tokens drafted / accepted", "model tokens drafted / accepted"]
+
+    def row(n: str, v: dict) -> list:
         after_eos, before_eos = v.get("tokens_after_eos"), v.get("mal_before_eos")
-        lines.append(
-            f"| {n} | {v['makespan_s']:.1f} | {_x(v)} | "
-            f"{v['tail_s']:.1f} | {base['tail_s'] / v['tail_s']:.2f}x | {v['tokens_per_s']:.0f} | "
-            f"{v['mal']:.2f} | {'-' if before_eos is None else f'{before_eos:.2f}'} | "
-            f"{'-' if after_eos is None else f'{after_eos:.0f}'} | {_by_source(v)} |"
-        )
+        return [
+            n,
+            f"{v['makespan_s']:.1f}",
+            _x(v),
+            f"{v['tail_s']:.1f}",
+            f"{base['tail_s'] / v['tail_s']:.2f}x",
+            f"{v['tokens_per_s']:.0f}",
+            f"{v['mal']:.2f}",
+            "-" if before_eos is None else f"{before_eos:.2f}",
+            "-" if after_eos is None else f"{after_eos:.0f}",
+            _by_source(v),
+        ]
+
+    lines = [
+        prose("rollout_throughput", "tail", **fields),
+        "",
+        *table(header, (row(n, per[n]) for n in ordered(per, CONFIGS))),
+    ]
     rivals = [best_fixed, "static table", "paper rule", *VLLM_EXAMPLE_TABLES_NAMES]
     for ours in ("ours", "sampled ours", "ours + group", "sampled ours + group"):
         if ours in per:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import shlex
 import sys
 import time
 from collections import Counter
@@ -39,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 
 from benchmarks.common import (
     ASSETS,
+    command,
     fresh_controller,
     load_json,
+    parser,
     protocol_args,
     quiet_machine,
     smollm2,
@@ -266,9 +267,7 @@ def compared_configs(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = parser(__doc__)
     ap.add_argument("--k-max", type=int, default=5)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--temperatures", default="0,1", help="fixed-concurrency workloads")
@@ -522,7 +521,7 @@ def main() -> None:
             for n, r in results.get("tail", {}).get("tail", {}).items()
         },
         "args": vars(args),
-        "command": shlex.join(["python", "benchmarks/rollout_throughput.py", *sys.argv[1:]]),
+        "command": command(),
     }
     ASSETS.mkdir(parents=True, exist_ok=True)
     (ASSETS / f"{args.study}.json").write_text(json.dumps(report_data, indent=1))

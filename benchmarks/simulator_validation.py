@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
-from benchmarks.common import ASSETS, load_json, write_study
+from benchmarks.common import ASSETS, load_json, prose, table, write_study
 from benchmarks.rollout_throughput import OUTSIDE_PROMPTS, SHAPES, TAIL
 from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.simulate import (
@@ -271,65 +271,38 @@ def current_report(runs: dict[str, dict]) -> str:
         for run, d in runs.items()
         for name, p in d["profiles"].items()
     }
-    lines = [
-        "### Runs with their own profiles",
-        "",
-        "Runs of `benchmarks/rollout_throughput.py --fresh-profile` ("
-        + ", ".join(f"`{n}`" for n in runs)
-        + "): the latency profiles were measured at the start of the run (profile format 5; "
-        + "; ".join(f"{n} at {c}" for n, c in created.items())
-        + "). Each configuration is predicted from the profile of its drafting (greedy or sampled) "
-        "with the prefill and T = 1 sampling costs that profile timed; each step is priced by the "
-        "profile's timed steps (interpolated in B, and in k and B for the long-context cost), not by "
-        "the latency model the controller decides with; and from the acceptance per "
-        "position the engine measured on the same workload with the same drafting at fixed "
-        "k = k_max ('workload acceptance'), or on this configuration's own drafts ('own'). Each "
-        f"repeat is replayed {DRAWS} times with its own output lengths, each request's tokens in "
-        "a step drawn from that acceptance (`grpo_specdec.simulate.drawn_replay`), and "
-        "predicted by their mean; predicted and measured are each the "
-        "median over repeats. Nothing is fitted to these runs. 'vs no spec': the speedup over "
-        "no speculation, measured (each repeat against no speculation's run next to it) and "
-        "predicted, and how far the prediction is off.",
-        "",
-        f"- wall time, workload acceptance: {verdict([row[2] for row in rows])}.",
-        f"- wall time, own acceptance: {verdict([row[3] for row in rows])}.",
-        f"- speedup over no speculation, workload acceptance: {verdict([row[7] for row in rows])}.",
-        "- the same speedups from one replay of the expected tokens per step instead of drawn "
-        f"ones: {verdict([row[8] for row in rows])}.",
-        f"- the measurement against itself: {(spread <= GOAL).mean():.0%} of {len(rows)} "
-        f"configurations have every repeat within ±{GOAL:.0%} of their median; the largest "
-        f"spread is ±{spread.max():.1%}.",
-        "- the speedups of the configurations whose measurement held still (every repeat of "
-        f"theirs and of no speculation's within ±{GOAL:.0%} of the median): "
-        + (verdict(held) if held else "none")
-        + ".",
-        "- by run, speedups: " + "; ".join(by_run) + ".",
-        "",
-        "| run | workload | config | measured s | repeats within | predicted s | error "
-        "| error, own acceptance | vs no spec: measured | predicted | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r, measured, err, own_err, predicted, speedup, modelled, speedup_err, _ in rows:
-        ratios = (
-            f"{speedup:.2f}x | {modelled:.2f}x | {speedup_err:+.1%}"
-            if speedup is not None
-            else "— | — | —"
-        )
-        lines.append(
-            f"| {r.run} | {r.section} {r.key} | {r.config} | {measured:.2f} | ±{r.spread:.1%} | "
-            f"{predicted:.2f} | {err:+.1%} | {own_err:+.1%} | {ratios} |"
-        )
-    return "\n".join(lines)
+    fields = {
+        "runs": ", ".join(f"`{n}`" for n in runs),
+        "created": "; ".join(f"{n} at {c}" for n, c in created.items()),
+        "draws": DRAWS,
+        "goal": f"{GOAL:.0%}",
+        "workload": verdict([row[2] for row in rows]),
+        "own": verdict([row[3] for row in rows]),
+        "speedups": verdict([row[7] for row in rows]),
+        "expected": verdict([row[8] for row in rows]),
+        "itself": f"{(spread <= GOAL).mean():.0%} of {len(rows)}",
+        "spread": f"{spread.max():.1%}",
+        "held": verdict(held) if held else "none",
+        "by_run": "; ".join(by_run),
+    }
+
+    def row(r, measured, err, own_err, predicted, speedup, modelled, speedup_err, _) -> list:
+        cells = [r.run, f"{r.section} {r.key}", r.config, f"{measured:.2f}", f"±{r.spread:.1%}"]
+        cells += [f"{predicted:.2f}", f"{err:+.1%}", f"{own_err:+.1%}"]
+        if speedup is None:
+            return cells + ["—", "—", "—"]
+        return cells + [f"{speedup:.2f}x", f"{modelled:.2f}x", f"{speedup_err:+.1%}"]
+
+    header = ["run", "workload", "config", "measured s", "repeats within", "predicted s"]
+    header += ["error", "error, own acceptance", "vs no spec: measured", "predicted"]
+    table_lines = table([*header, "error"], (row(*r) for r in rows))
+    return "\n".join([prose("simulator", "runs", **fields), "", *table_lines])
 
 
 def main() -> None:
     stored = {p.stem: load_json(p) for p in sorted(ASSETS.glob("rollout_*.json"))}
     current = {run: data for run, data in stored.items() if "profiles" in data}
-    text = (
-        "Predicted wall time of every configuration measured by "
-        "`benchmarks/rollout_throughput.py` with profiles of its own, from that run's "
-        "profiles and the configuration's own policy.\n\n" + current_report(current)
-    )
+    text = prose("simulator", "intro") + "\n\n" + current_report(current)
     write_study(
         "simulator",
         "Rollout simulator vs the measured runs (SmolLM2-135M, CPU)",
