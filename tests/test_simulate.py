@@ -150,7 +150,8 @@ def test_gpu_profile_script_runs_tiny_on_cpu_and_writes_a_profile(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "gpu_latency_profile.py"),
+            str(ROOT / "benchmarks" / "gpu.py"),
+            "profile",
             "--tiny",
             "--sizes",
             "1,4",
