@@ -1,6 +1,6 @@
 """The controller's regime suite (grpo_specdec/regimes.py, modelled): on every recorded
-trace (tests/data/regimes/, recorded by benchmarks/regime_traces.py on the project's own
-engine) and the synthetic non-stationary cases, on every profile we know, ours keeps up
+trace (tests/data/regimes/, recorded by `benchmarks/regime_suite.py --record` on the
+project's own engine) and the synthetic non-stationary cases, on every profile we know, ours keeps up
 with the best fixed k and with k = 0 and stays near an oracle; an engine started without
 a profile catches up within a rollout. benchmarks/regime_suite.py prints the table."""
 
