@@ -25,6 +25,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+
+from grpo_specdec.modelcheck import read_config
 
 MIN_DRAFT_TOKENS = 100
 COLLAPSE_RATIO = 0.5
@@ -52,6 +55,22 @@ class Head:
 
     def state_dict(self) -> dict:
         return self.weights() if callable(self.weights) else self.weights
+
+
+def starting_head(draft: str) -> Head:
+    """The head an engine starts from, as the watch's first fallback: version 0 (until
+    declared otherwise), its weights read from the folder only if it is ever needed."""
+    from safetensors.torch import load_file
+
+    def weights() -> dict:
+        return {
+            k: v for f in sorted(Path(draft).glob("*.safetensors")) for k, v in load_file(f).items()
+        }
+
+    cfg = read_config(draft, "draft")
+    return Head(
+        weights, 0, {"hidden_size": str(cfg["hidden_size"]), "vocab_size": str(cfg["vocab_size"])}
+    )
 
 
 @dataclass

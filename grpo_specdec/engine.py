@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import vllm_plugin
-from grpo_specdec.draft_watch import DraftWatch, Head, Rollback
+from grpo_specdec.draft_watch import DraftWatch, Head, Rollback, starting_head
 from grpo_specdec.engine_config import EngineConfig, SamplingSettings
-from grpo_specdec.modelcheck import draft_method, read_config
+from grpo_specdec.modelcheck import draft_method
 from grpo_specdec.tasks.datasets import ChatPrompt
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin import patches
@@ -27,9 +27,7 @@ from vllm_plugin.patches import runner_name
 from vllm_plugin.patches.features import group_drafts_v0_32
 from vllm_plugin.patches.fixes import cpu_seed_rewind_v0_32
 from vllm_plugin.settings import engine_dtype
-from vllm_plugin.weights.manifest import MixedWeightsError
-from vllm_plugin.weights.rank_weights import ROLES, agreed_versions, merged_mixed
-from vllm_plugin.weights.shm_transfer import BACKEND as TRANSFER_BACKEND
+from vllm_plugin.weights.trainer import LLMWeights
 
 logger = logging.getLogger(__name__)
 SEED_REWIND = vllm_plugin.patch_name(cpu_seed_rewind_v0_32)
@@ -143,22 +141,6 @@ class GenerationResult:
         }
 
 
-def _starting_head(draft: str) -> Head:
-    """The head an engine starts from, as the watch's first fallback: version 0 (until
-    declared otherwise), its weights read from the folder only if it is ever needed."""
-    from safetensors.torch import load_file
-
-    def weights() -> dict:
-        return {
-            k: v for f in sorted(Path(draft).glob("*.safetensors")) for k, v in load_file(f).items()
-        }
-
-    cfg = read_config(draft, "draft")
-    return Head(
-        weights, 0, {"hidden_size": str(cfg["hidden_size"]), "vocab_size": str(cfg["vocab_size"])}
-    )
-
-
 class Engine:
     """A running vLLM engine. Construct once; generate many times."""
 
@@ -184,7 +166,7 @@ class Engine:
             enforce_eager=cfg.enforce_eager,
             disable_log_stats=False,
             worker_extension_cls=self.WORKER_EXTENSION,
-            weight_transfer_config={"backend": TRANSFER_BACKEND},
+            weight_transfer_config=LLMWeights.TRANSFER_CONFIG,
         )
         if cfg.kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
@@ -229,7 +211,7 @@ class Engine:
         }
         kwargs.update(extra_llm_kwargs)
         self.llm = LLM(**kwargs)
-        self._senders: dict[str, object] = {}  # role -> its trainer engine, initialised once
+        self._weights = LLMWeights(self.llm)  # what its weights are published and read through
         if cfg.engine_process == "in_process":
             _LIVE_IN_PROCESS.add(self)
         self.tokenizer = self.llm.get_tokenizer()
@@ -242,7 +224,7 @@ class Engine:
         if spec is not None:
             self._check_runner(spec)
         self.draft_watch = (
-            DraftWatch(_starting_head(spec.draft))
+            DraftWatch(starting_head(spec.draft))
             if spec is not None and spec.draft and spec.draft_watch
             else None
         )
@@ -299,15 +281,7 @@ class Engine:
 
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
-        mixed = merged_mixed(self.llm.collective_rpc("grpo_mixed_weights"))
-        if mixed:
-            raise MixedWeightsError(
-                "refusing to generate: "
-                + "; ".join(
-                    f"the {role} weights may be a mix ({why}); a successful {role} swap clears this"
-                    for role, why in mixed.items()
-                )
-            )
+        self._weights.refuse_if_mixed()
         ids = [p if isinstance(p, list) else self.encode(p, chat) for p in prompts]
         for i, p in enumerate(ids):
             if len(p) + 1 > self.cfg.max_model_len:
@@ -384,7 +358,7 @@ class Engine:
         if rollback is None:
             return None
         head = self.draft_watch.fallback
-        self._send_weights("draft", head.state_dict(), head.version, head.metadata)
+        self._weights.publish("draft", head.state_dict(), head.version, head.metadata)
         self.draft_watch.rolled_back()
         logger.warning(rollback.describe())
         self.draft_rollbacks.append(rollback)
@@ -410,47 +384,26 @@ class Engine:
     def swap_weights(
         self, role: str, weights: dict, version: int, metadata: dict | None = None
     ) -> dict:
-        """Load new `role` ("draft" or "policy") weights into the running engine, through
-        vLLM's weight-update API and the `grpo_shm` transfer backend
-        (vllm_plugin/weights/shm_transfer.py).
-
-        The weights go through a safetensors file in the private swap folder; each rank
-        keeps the last good one open, to reload it if a later swap fails halfway. A
-        rejected swap raises and leaves every rank on its old weights (a rank that had
-        loaded the new ones goes back). `metadata` declares config facts the weights were
-        built for (e.g. vocab_size); the engine rejects them if its model differs.
-        """
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        report = self._send_weights(role, weights, version, metadata)
+        """Load new `role` ("draft" or "policy") weights into the running engine
+        (`LLMWeights.publish`, vllm_plugin/weights/trainer.py); what the swap took. A
+        rejected swap raises and leaves every rank on its old weights."""
+        report = self._weights.publish(role, weights, version, metadata)
         if role == "draft" and self.draft_watch is not None:
             self.draft_watch.swapped(Head(weights, version, metadata))
         return report
 
-    def _send_weights(self, role: str, weights: dict, version: int, metadata: dict | None) -> dict:
-        from vllm_plugin.weights.trainer import (
-            LLMClient,
-            ShmTrainerEngine,
-            ShmTrainerInitInfo,
-            StateDictSource,
-        )
+    def weight_versions(self) -> dict[str, int]:
+        """The versions of the weights every rank serves (they must agree)."""
+        return self._weights.versions()
 
-        start = time.perf_counter()
-        sender = self._senders.get(role)
-        if sender is None:
-            sender = self._senders[role] = ShmTrainerEngine.trainer_init(
-                ShmTrainerInitInfo(rank=0, draft=role == "draft"), client=LLMClient(self.llm)
-            )
-        sender.source, sender.metadata = StateDictSource(weights), metadata
-        write_s = sender.send_weights(version)
-        report = self.llm.collective_rpc("grpo_last_swap_report")
-        return {
-            "version": version,
-            **report[0],
-            "write_s": write_s,
-            "total_s": time.perf_counter() - start,
-        }
+    def declare_weight_versions(self, versions: dict[str, int]) -> None:
+        """Number the weights the engine started from (e.g. a checkpoint's policy and draft
+        versions); `weight_versions` reports them until each role's next swap."""
+        self._weights.declare(versions)
+        if "draft" in versions and self.draft_watch is not None:
+            self.draft_watch.serving.version = versions["draft"]
 
+    # ---- the scheduler and the group drafter ----------------------------------------------
     def scheduler(self):
         """The engine-core scheduler object (in-process engines only)."""
         if self.cfg.engine_process != "in_process":
@@ -473,17 +426,6 @@ class Engine:
         self.llm.collective_rpc(
             "grpo_group_draft_add_history", args=(result.prompt_token_ids, outputs)
         )
-
-    def weight_versions(self) -> dict[str, int]:
-        """The versions of the weights every rank serves (they must agree)."""
-        return agreed_versions(self.llm.collective_rpc("grpo_weight_versions"))
-
-    def declare_weight_versions(self, versions: dict[str, int]) -> None:
-        """Number the weights the engine started from (e.g. a checkpoint's policy and draft
-        versions); `weight_versions` reports them until each role's next swap."""
-        self.llm.collective_rpc("grpo_declare_weight_versions", args=(versions,))
-        if "draft" in versions and self.draft_watch is not None:
-            self.draft_watch.serving.version = versions["draft"]
 
     def shutdown(self) -> None:
         engine = getattr(self, "llm", None)

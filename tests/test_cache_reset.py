@@ -12,13 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from vllm_plugin.weights.trainer import (
-    CACHE_NOT_RESET,
-    HTTPClient,
-    RPCClient,
-    ShmTrainerInitInfo,
-    StateDictSource,
-)
+from vllm_plugin.weights.clients import CACHE_NOT_RESET, HTTPClient, RPCClient
+from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
 
 class _Engine:

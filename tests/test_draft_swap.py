@@ -256,7 +256,8 @@ def test_vllms_trainer_factory_moves_a_head_in_through_vllms_weight_update_api(
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weights.trainer import LLMClient, ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.clients import LLMClient
+    from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
     def push(weights, version):
         sender = WeightTransferTrainerFactory.trainer_init(

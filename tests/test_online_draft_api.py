@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from grpo_specdec.draft.online import OnlineDraft
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import scrambled, tiny_engine_config
-from vllm_plugin.weights.trainer import LLMClient
+from vllm_plugin.weights.clients import LLMClient
 
 pytestmark = pytest.mark.slow
 

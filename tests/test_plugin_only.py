@@ -73,7 +73,8 @@ from vllm import LLM, SamplingParams
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from vllm_plugin.k_table import every_k_table
-from vllm_plugin.weights.trainer import LLMClient, ShmTrainerInitInfo, StateDictSource
+from vllm_plugin.weights.clients import LLMClient
+from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
 target, draft = sys.argv[1], sys.argv[2]
 llm = LLM(

@@ -48,7 +48,8 @@ class VerlLikeTrainer:
     def push_draft(self, weights: dict, version: int) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from vllm_plugin.weights.trainer import RPCClient, ShmTrainerInitInfo, StateDictSource
+        from vllm_plugin.weights.clients import RPCClient
+        from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
         client = RPCClient(self.rpc, lambda: self._wait(self.engine.reset_prefix_cache()))
         WeightTransferTrainerFactory.trainer_init(

@@ -446,7 +446,8 @@ def test_a_policy_left_a_mix_through_vllm_s_own_routes_serves_no_completion(
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weights.trainer import HTTPClient, ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.clients import HTTPClient
+    from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
     def push(weights: dict, version: int) -> None:
         WeightTransferTrainerFactory.trainer_init(
@@ -471,7 +472,8 @@ def _push_draft(url: str, weights: dict, version: int) -> None:
     sending a head over vLLM's RL routes with its HTTP client."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weights.trainer import HTTPClient, ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.clients import HTTPClient
+    from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
     sender = WeightTransferTrainerFactory.trainer_init(
         ShmTrainerInitInfo(rank=0, draft=True),

@@ -91,7 +91,8 @@ def _rpc_trainer(engine, weights: dict):
     """A trainer reaching the engine only through `collective_rpc`, as verl's does."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_plugin.weights.trainer import RPCClient, ShmTrainerInitInfo, StateDictSource
+    from vllm_plugin.weights.clients import RPCClient
+    from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
 
     client = RPCClient(
         lambda method, kwargs: engine.llm.collective_rpc(method, kwargs=kwargs),

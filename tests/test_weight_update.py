@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from vllm_plugin.weights.lifecycle import AsyncEngineClient, run_update
+from vllm_plugin.weights.clients import AsyncEngineClient
+from vllm_plugin.weights.lifecycle import run_update
 
 
 class _AsyncEngine:

@@ -4,12 +4,13 @@ learning on them and pushes it into your vLLM engine through vLLM's weight-updat
 
     draft = OnlineDraft("path/to/policy", head="path/to/head")   # or new="eagle3"
     stats = draft.learn_from(policy_model, token_ids, prompt_lens)   # a DraftRound
-    draft.push(LLMClient(llm))     # or HTTPClient(url), RPCClient(...) (vllm_plugin/weights)
+    draft.push(LLMClient(llm))     # or HTTPClient(url), RPCClient(...)
 
 The draft learner (`learner.py` `DraftLearner`, the job's own) does the training, with its
 guards (non-finite steps skipped, a diverged head rolled back, versions that only grow);
 this adds the capture (`capture.py`, the same forward hooks the job's policy learner uses)
-and the push (`vllm_plugin.weights.trainer.ShmTrainerEngine` with `draft=True`)."""
+and the push (`vllm_plugin.weights.trainer.ShmTrainerEngine` with `draft=True`, through a
+client of vllm_plugin/weights/clients.py)."""
 
 from __future__ import annotations
 

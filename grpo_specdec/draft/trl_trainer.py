@@ -2,7 +2,7 @@
 
     from grpo_specdec.draft.online import OnlineDraft
     from grpo_specdec.draft.trl_trainer import OnlineDraftGRPOTrainer
-    from vllm_plugin.weights.trainer import LLMClient
+    from vllm_plugin.weights.clients import LLMClient
 
     trainer = OnlineDraftGRPOTrainer(
         model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,

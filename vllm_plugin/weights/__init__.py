@@ -6,8 +6,9 @@ failed load undone on every rank. The weights travel as a safetensors file in a 
 private to the user (`swap_folder`), checked against the model's checkpoint (`manifest`)
 before anything loads.
 
-- the trainer's side (`trainer`): the `grpo_shm` trainer engine that writes the file and
-  drives the lifecycle, through a client of an `LLM`, a `vllm serve` or a `collective_rpc`;
+- the trainer's side (`trainer`): the `grpo_shm` trainer engine, which writes the file and
+  drives the lifecycle through a client (`clients`: of an `LLM`, a `vllm serve`, a
+  `collective_rpc`), and `LLMWeights`, through which the project's `Engine` publishes;
 - the engine's side (`shm_transfer`): the `grpo_shm` transfer engine each worker loads
   with, keeping one rank's weights per role whole (`rank_weights`);
 - a served engine's own route (`endpoint`, `POST /v1/grpo/weights` behind the API key and

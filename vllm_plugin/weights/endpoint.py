@@ -49,7 +49,8 @@ from pydantic import BaseModel, Field
 
 from vllm_plugin.compat import engine_core_utility
 from vllm_plugin.settings import DEADLINE_ENV, swap_deadline_s
-from vllm_plugin.weights.lifecycle import AsyncEngineClient, run_update
+from vllm_plugin.weights.clients import AsyncEngineClient
+from vllm_plugin.weights.lifecycle import run_update
 from vllm_plugin.weights.manifest import MixedWeightsError
 from vllm_plugin.weights.rank_weights import agreed_versions, merged_mixed
 from vllm_plugin.weights.served_weights import TOKEN_ENV, TOKEN_HEADER

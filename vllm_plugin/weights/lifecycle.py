@@ -10,15 +10,14 @@ trainer holds is an error naming it. A load that failed on any rank is undone on
 model of new weights. Resetting the prefix cache afterwards is the caller's, since each
 reports a failed reset its own way.
 
-The transports of control differ, the lifecycle does not: the trainer's `ShmTrainerEngine`
-(vllm_plugin/weights/trainer.py) runs it through a client of an `LLM`, of a `vllm serve`
-or of a `collective_rpc`; the served route `POST /v1/grpo/weights` through
-`AsyncEngineClient`.
+The transports of control differ, the lifecycle does not (`clients`, one per transport):
+the trainer's `ShmTrainerEngine` (`trainer`) runs it through a client of an `LLM`, of a
+`vllm serve` or of a `collective_rpc`; the served route `POST /v1/grpo/weights`
+(`endpoint`) through `AsyncEngineClient`.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Literal
 
 Role = Literal["policy", "draft"]
@@ -60,37 +59,3 @@ def merged_session_ends(per_rank: list[dict]) -> dict:
         "ended": all(r["ended"] for r in per_rank),
         "reason": "; ".join(sorted({r["reason"] for r in per_rank})),
     }
-
-
-class AsyncEngineClient:
-    """The lifecycle's client for an `AsyncLLM` whose event loop runs in another thread: the
-    served route runs `run_update` in a worker thread, each call a coroutine on that loop."""
-
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop):
-        self.engine, self.loop = engine, loop
-
-    def _wait(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def start_weight_update(self) -> None:
-        self._wait(self.engine.start_weight_update())
-
-    def start_draft_weight_update(self) -> None:
-        self._wait(self.engine.start_draft_weight_update())
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        request = WeightTransferUpdateRequest(update_info=update_info)
-        self._wait(self.engine.update_weights(request))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._wait(self.engine.finish_weight_update(weight_version))
-
-    def abort_weight_update(self) -> None:
-        self._wait(self.engine.collective_rpc("grpo_abort_weight_update"))
-
-    def end_stale_weight_update(self) -> dict:
-        return merged_session_ends(
-            self._wait(self.engine.collective_rpc("grpo_end_stale_weight_update"))
-        )

@@ -1,28 +1,28 @@
-"""The trainer's side of the `grpo_shm` weight transfer (vllm_plugin/weights/shm_transfer.py), in
-vLLM's trainer API (0.32 and 0.33): a `TrainerWeightTransferEngine` registered as `grpo_shm` with
-`WeightTransferTrainerFactory`, driven through any `VLLMWeightSyncClient`.
+"""The trainer's side of the `grpo_shm` weight transfer (the engine's is `shm_transfer`), in
+vLLM's trainer API (0.32 and 0.33): a `TrainerWeightTransferEngine` registered as `grpo_shm`
+with `WeightTransferTrainerFactory`, driven through any `VLLMWeightSyncClient` (`clients`).
 
     engine = WeightTransferTrainerFactory.trainer_init(
         ShmTrainerInitInfo(rank=0, draft=True), client=LLMClient(llm), source=weights)
     engine.send_weights(version=7)
 
 `send_weights` writes the source's tensors to the private swap folder and drives one
-update through vLLM's lifecycle (vllm_plugin/weights/lifecycle.py: a failed load is undone on
-every rank, a session a dead trainer left open is ended first); then the prefix cache is
-reset with the running requests recomputed, so that none computes with KV of the old
-weights (vLLM's update does not do it). Clients: `LLMClient` (an `LLM` in this
-process), `HTTPClient` (a `vllm serve` with vLLM's RL routes, `VLLM_SERVER_DEV_MODE=1`) and
-`RPCClient` (any engine reached only through `collective_rpc`, as verl reaches its server's);
-vLLM's own clients cannot start a draft update, which these add.
+update through vLLM's lifecycle (`lifecycle`: a failed load is undone on every rank, a
+session a dead trainer left open is ended first); then the prefix cache is reset with the
+running requests recomputed, so that none computes with KV of the old weights (vLLM's
+update does not do it).
+
+`LLMWeights` does that for an `LLM` in this process, a trainer engine per role, and reads
+what its ranks serve: the project's `Engine` publishes through it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -31,10 +31,12 @@ from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
     WeightSource,
 )
-from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from vllm_plugin.compat import full_weights
-from vllm_plugin.weights.lifecycle import merged_session_ends, run_update
+from vllm_plugin.weights.clients import LLMClient
+from vllm_plugin.weights.lifecycle import run_update
+from vllm_plugin.weights.manifest import MixedWeightsError
+from vllm_plugin.weights.rank_weights import ROLES, agreed_versions, merged_mixed
 from vllm_plugin.weights.shm_transfer import BACKEND
 from vllm_plugin.weights.swap_folder import swap_file
 
@@ -91,122 +93,67 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
         return written
 
 
-class LLMClient:
-    """A `VLLMWeightSyncClient` (and more) for an `LLM` in this process."""
+class LLMWeights:
+    """The weights of an `LLM` in this process, which must run the plugin's worker extension
+    (`vllm_plugin.weight_swap.WeightSwapExtension`) and this transfer backend
+    (`weight_transfer_config=TRANSFER_CONFIG`): published per role, each through its own
+    trainer engine (initialised once), and read back from every rank."""
+
+    TRANSFER_CONFIG = {"backend": BACKEND}
 
     def __init__(self, llm):
         self.llm = llm
+        self._senders: dict[str, ShmTrainerEngine] = {}  # role -> its trainer engine
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+    def publish(self, role: str, weights: dict, version: int, metadata: dict | None = None) -> dict:
+        """Load new `role` ("draft" or "policy") weights into the running engine; what the
+        swap took (the ranks' validation and load, the file's writing, in all).
 
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+        The weights go through a safetensors file in the private swap folder; each rank
+        keeps the last good one open, to reload it if a later swap fails halfway. A
+        rejected swap raises and leaves every rank on its old weights (a rank that had
+        loaded the new ones goes back). `metadata` declares config facts the weights were
+        built for (e.g. vocab_size); the engine rejects them if its model differs.
+        """
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        start = time.perf_counter()
+        sender = self._senders.get(role)
+        if sender is None:
+            sender = self._senders[role] = ShmTrainerEngine.trainer_init(
+                ShmTrainerInitInfo(rank=0, draft=role == "draft"), client=LLMClient(self.llm)
+            )
+        sender.source, sender.metadata = StateDictSource(weights), metadata
+        write_s = sender.send_weights(version)
+        report = self.llm.collective_rpc("grpo_last_swap_report")
+        return {
+            "version": version,
+            **report[0],
+            "write_s": write_s,
+            "total_s": time.perf_counter() - start,
+        }
 
-    def start_draft_weight_update(self) -> None:
-        self.llm.start_draft_weight_update()
+    def versions(self) -> dict[str, int]:
+        """The versions of the weights every rank serves (they must agree)."""
+        return agreed_versions(self.llm.collective_rpc("grpo_weight_versions"))
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.llm.update_weights({"update_info": update_info})
+    def declare(self, versions: dict[str, int]) -> None:
+        """Number the weights the engine started from (e.g. a checkpoint's); `versions`
+        reports them until each role's next swap."""
+        self.llm.collective_rpc("grpo_declare_weight_versions", args=(versions,))
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
-
-    def abort_weight_update(self) -> None:
-        self.llm.collective_rpc("grpo_abort_weight_update")
-
-    def end_stale_weight_update(self) -> dict:
-        return merged_session_ends(self.llm.collective_rpc("grpo_end_stale_weight_update"))
-
-    def reset_prefix_cache(self) -> None:
-        check_cache_reset(self.llm.reset_prefix_cache(reset_running_requests=True))
-
-
-CACHE_NOT_RESET = (
-    "the weights are loaded, but the engine could not reset its prefix cache, which holds KV "
-    "of the old weights"
-)
-
-
-def check_cache_reset(success) -> None:
-    """vLLM answers a cache reset with whether it happened (`LLM`/`AsyncLLM` return it, the
-    server's route says `{"success": false}` with status 200): a failed one is an error."""
-    if success is False or (isinstance(success, list) and False in success):
-        raise RuntimeError(CACHE_NOT_RESET)
-
-
-class HTTPClient(HTTPVLLMWeightSyncClient):
-    """vLLM's HTTP client with the draft's start, the plugin's abort and the cache reset
-    (through vLLM's dev routes `/collective_rpc` and `/reset_prefix_cache`, mounted with
-    its RL routes)."""
-
-    def start_draft_weight_update(self) -> None:
-        self._post("start_draft_weight_update")
-
-    def abort_weight_update(self) -> None:
-        self._post("collective_rpc", {"method": "grpo_abort_weight_update"})
-
-    def end_stale_weight_update(self) -> dict:
-        import requests
-
-        response = requests.post(
-            f"{self.base_url}/collective_rpc",
-            json={"method": "grpo_end_stale_weight_update"},
-            timeout=self.timeout,
-        )
-        response.raise_for_status()
-        return merged_session_ends(response.json()["results"])
-
-    def reset_prefix_cache(self) -> None:
-        import requests
-
-        response = requests.post(
-            f"{self.base_url}/reset_prefix_cache?reset_running_requests=true",
-            timeout=self.timeout,
-        )
-        response.raise_for_status()
-        check_cache_reset(response.json().get("success"))
-
-
-class RPCClient:
-    """A `VLLMWeightSyncClient` (and more) for an engine reached only through its
-    `collective_rpc`, as verl's trainer reaches its rollout server (`server_handle.
-    collective_rpc.remote(method, kwargs=...)`): it calls on every worker the methods that
-    `AsyncLLM`'s own weight-update API fans out to them, and the stack's own prefix-cache
-    reset (verl's `clear_kv_cache`). The engine-level weight version is not a worker's, so
-    `finish_weight_update` cannot set it; the plugin's per-role versions are set by the
-    workers' load."""
-
-    def __init__(
-        self, rpc: Callable[[str, dict[str, Any] | None], Any], reset_prefix_cache: Callable
-    ):
-        self.rpc, self.reset_cache = rpc, reset_prefix_cache
-
-    def reset_prefix_cache(self) -> None:
-        """The stack's reset; one that returns False (vLLM's, verl's `clear_kv_cache` while
-        requests run) is an error, not a swap done."""
-        check_cache_reset(self.reset_cache())
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.rpc("init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.rpc("start_weight_update", None)
-
-    def start_draft_weight_update(self) -> None:
-        self.rpc("start_draft_weight_update", None)
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.rpc("update_weights", {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.rpc("finish_weight_update", None)
-
-    def abort_weight_update(self) -> None:
-        self.rpc("grpo_abort_weight_update", None)
-
-    def end_stale_weight_update(self) -> dict:
-        return merged_session_ends(self.rpc("grpo_end_stale_weight_update", None))
+    def refuse_if_mixed(self) -> None:
+        """Raise `MixedWeightsError` if any rank's weights of a role may be a mix (a swap
+        whose restore failed too): nothing may be generated on them."""
+        mixed = merged_mixed(self.llm.collective_rpc("grpo_mixed_weights"))
+        if mixed:
+            raise MixedWeightsError(
+                "refusing to generate: "
+                + "; ".join(
+                    f"the {role} weights may be a mix ({why}); a successful {role} swap clears this"
+                    for role, why in mixed.items()
+                )
+            )
 
 
 def register() -> None:
