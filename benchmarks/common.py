@@ -261,6 +261,16 @@ def _between(text: str, marker: str) -> str:
     return match.group(1).strip() if match else ""
 
 
+def pyplot():
+    """matplotlib's pyplot, drawing to files only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def load_json(path: Path) -> dict:
     return json.loads(path.read_text())
 

@@ -34,6 +34,7 @@ from benchmarks.common import (
     parser,
     prose,
     protocol_args,
+    pyplot,
     quiet_machine,
     smollm2,
     smollm2_head,
@@ -270,10 +271,7 @@ def report(shape: str, s: dict, iterations: int, group: int) -> str:
 
 
 def plot(shape: str, s: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     keys = [k for k in CONFIGS if k in s]
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -42,6 +42,7 @@ from benchmarks.common import (
     parser,
     prose,
     protocol_args,
+    pyplot,
     quiet_machine,
     table,
     warmed,
@@ -587,10 +588,7 @@ def ablation_table(arms: list[dict], data: dict) -> list[str]:
 
 
 def plot(data: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     records, evals = data["training"]["records"], data["training"]["evals"]
     its = [r["iteration"] for r in records]

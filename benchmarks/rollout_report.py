@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ASSETS, ordered, prose, table
+from benchmarks.common import ASSETS, ordered, prose, pyplot, table
 from grpo_specdec.bench.measure import speedup
 from grpo_specdec.bench.tail_shape import in_flight, tail_phase_s
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES
@@ -348,10 +348,7 @@ def _plot_fixed(plt, fixed: dict, temps: list[str], path: Path) -> None:
 
 
 def plot(r: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tag = r["args"]["study"]
     fixed = r["results"].get("fixed", {})
