@@ -138,28 +138,25 @@ def _finished(out: Path, overrides: list[str], iterations: int) -> bool:
     )
 
 
+# The metrics (metrics.jsonl's names) whose mean per iteration each configuration reports.
+MEANS = ("generation_s", "policy_update_s", "draft_train_s", "draft_wait_s", "sync_s")
+MEANS += ("iteration_s", "accuracy", "tokens_per_s")
+
+
 def summarize(runs: dict[str, list[dict]]) -> dict:
-    out = {}
-    for key, recs in runs.items():
+    def mean(recs: list[dict], field: str) -> float:
+        return statistics.mean(r[field] for r in recs)
 
-        def mean(field, recs=recs):
-            return statistics.mean(r[field] for r in recs)
-
-        out[key] = {
-            "generation_s": mean("generation_s"),
-            "policy_update_s": mean("policy_update_s"),
-            "draft_train_s": mean("draft_train_s"),
-            "draft_wait_s": mean("draft_wait_s"),
-            "sync_s": mean("sync_s"),
-            "iteration_s": mean("iteration_s"),
-            "reward": mean("reward_mean"),
-            "accuracy": mean("accuracy"),
+    return {
+        key: {f: mean(recs, f) for f in MEANS}
+        | {
+            "reward": mean(recs, "reward_mean"),
             "mal": [r["mean_acceptance_length"] for r in recs],
             "rewards": [r["rewards"] for r in recs],
             "draft_policy_lag": [r.get("draft_policy_lag") for r in recs],
-            "tokens_per_s": mean("tokens_per_s"),
         }
-    return out
+        for key, recs in runs.items()
+    }
 
 
 def shape_config(shape: str, sets: list[str]) -> TrainConfig:

@@ -157,28 +157,26 @@ def side_by_side(
             "ours, initial head": ours(initial),
             **{f"fixed k = {k}, online head": Config(online, FixedPolicy(k)) for k in FIXED_K},
         }
+
+        def protocol(label: str, sampling, per_request: dict, repeats: int, seed: int):
+            return run_protocol(
+                {
+                    name: (lambda c=c: run_config(c, shape.prompts, sampling, None, per_request))
+                    for name, c in configs.items()
+                },
+                repeats=repeats,
+                seed=seed,
+                progress=lambda msg: print(f"{point}, {label}: {msg}", flush=True),
+            )
+
         # Equal tokens: each request made as long as the reference made it, EOS ignored.
-        equal = run_protocol(
-            {
-                name: (lambda c=c: run_config(c, shape.prompts, exact, None, exact_per_request))
-                for name, c in configs.items()
-            },
-            repeats=args.repeats,
-            seed=args.order_seed,
-            progress=lambda msg: print(f"{point}, equal tokens: {msg}", flush=True),
-        )
+        equal = protocol("equal tokens", exact, exact_per_request, args.repeats, args.order_seed)
         # Natural EOS: each configuration's own answers, under the same budgets and no
         # per-request seeds (under one seed the engines would still draw differently), so every
         # round of every configuration samples afresh; more rounds, as lengths vary.
         budgets = {"max_tokens": shape.max_tokens}
-        natural = run_protocol(
-            {
-                name: (lambda c=c: run_config(c, shape.prompts, sampling, None, budgets))
-                for name, c in configs.items()
-            },
-            repeats=args.natural_repeats,
-            seed=args.order_seed + 1,
-            progress=lambda msg: print(f"{point}, natural EOS: {msg}", flush=True),
+        natural = protocol(
+            "natural EOS", sampling, budgets, args.natural_repeats, args.order_seed + 1
         )
         rewards = reward_agreement(cfg, plain, configs["ours, online head"], temperature)
     finally:
