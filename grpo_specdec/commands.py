@@ -134,7 +134,7 @@ def profile(args) -> None:
 
 
 def train(args) -> None:
-    from grpo_specdec.bench.compare import comparison_table, what_is_compared
+    from grpo_specdec.bench.compare import compare_rollout, comparison_table, what_is_compared
     from grpo_specdec.config import load_yaml
     from grpo_specdec.job.config import TrainConfig
     from grpo_specdec.job.metrics import held_out_line, summary_table
@@ -147,7 +147,7 @@ def train(args) -> None:
     job = Job(cfg, resume=args.resume)
     try:
         records = job.run()
-        comparison = job.compare_rollout() if cfg.compare_at_end else None
+        comparison = job.compare_rollout(compare_rollout) if cfg.compare_at_end else None
     finally:
         job.shutdown()
     print(summary_table(records))

@@ -18,8 +18,10 @@ only in the tail drafts mostly there; `compare.natural_repeats` adds rows (named
 "natural EOS: ...") in which each configuration makes its own answers under the same
 budgets, more rounds as their lengths vary by chance.
 
-It lives in the job, not in benchmarks/, because `grpo-specdec train` (and `make demo`)
-prints it from an installed package; benchmarks can import it from here.
+It lives in the package, not in benchmarks/, because `grpo-specdec train` (and `make demo`)
+prints it from an installed package; benchmarks can import it from here. It builds on the
+job (its roles, batches and settings); the job runs it as the `RolloutComparison` the CLI
+hands it (`Job.compare_rollout`), importing nothing of it.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ side -> new policy and draft weights hot-swapped into every running engine -> me
 checkpoint every N iterations and at the end.
 
 The pieces: `roles.Roles` (the actors), `weight_sync` (all-or-none swaps),
-`checkpoints.Checkpointer`, `metrics.MetricsSink`, `batches` (the data cursor),
-`compare` (compare_at_end) and `logs` (vLLM's messages to the run's vllm.log).
+`checkpoints.Checkpointer`, `metrics.MetricsSink`, `batches` (the data cursor) and
+`logs` (vLLM's messages to the run's vllm.log); the end-of-run comparison (compare_at_end)
+is the benchmark library's, handed in as a `RolloutComparison`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import ray
 import torch
 
-from grpo_specdec.bench.compare import compare_rollout
 from grpo_specdec.draft.formats import ready_head
 from grpo_specdec.draft_watch import DraftWatch, Head, SlowDecline
 from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, report_line
@@ -29,7 +31,7 @@ from grpo_specdec.grpo.core import first_informative, group_advantages
 from grpo_specdec.job.actors import start_ray
 from grpo_specdec.job.batches import Batch, batch_at, prompt_source
 from grpo_specdec.job.checkpoints import Checkpointer, read_state
-from grpo_specdec.job.config import RewardSettings, TrainConfig
+from grpo_specdec.job.config import CompareSettings, RewardSettings, TrainConfig
 from grpo_specdec.job.engine_setup import check_context_length, serving_dtype
 from grpo_specdec.job.learners import PolicyBatch
 from grpo_specdec.job.logs import VllmLog, check_private
@@ -41,6 +43,25 @@ from grpo_specdec.job.rollout_worker import Rollout
 from grpo_specdec.job.run_lock import RunFolderLock
 from grpo_specdec.modelcheck import check_draft_matches_target
 from grpo_specdec.tasks.rewards import GRADERS, has_answer_format, overlong_penalty
+
+
+class RolloutComparison(Protocol):
+    """The end-of-run comparison (`compare_at_end`): the next batch rolled out by the job's
+    engines and by one without speculation, from `checkpoint`'s weights; -> each row's
+    summary, by name. The benchmark library implements it (grpo_specdec/bench/compare.py)
+    and the CLI hands it to `Job.compare_rollout`: the benchmarks build on the job, so the
+    job imports nothing of theirs."""
+
+    def __call__(
+        self,
+        roles: Roles,
+        checkpoint: Path,
+        batch: Batch,
+        speculation: str,
+        cfg: CompareSettings,
+        seed: int,
+        log: Callable[[str], None],
+    ) -> dict[str, dict]: ...
 
 
 class Job:
@@ -302,14 +323,14 @@ class Job:
         metrics.write_eval(report)
         self.log(report_line(report, f"iteration {report['iteration']}: held-out"))
 
-    def compare_rollout(self) -> dict[str, dict]:
-        """The next batch rolled out with and without speculation (`compare.py`), from a
+    def compare_rollout(self, compare: RolloutComparison) -> dict[str, dict]:
+        """The next batch rolled out with and without speculation by `compare`, from a
         checkpoint of the final weights."""
         ckpt = self.checkpointer.latest()
         if ckpt is None or read_state(ckpt)["iteration"] != self.iteration:
             ckpt = self.checkpoint()
         batch = batch_at(self.source, self.cursor, self.cfg.rollout, self.cfg.seed)
-        return compare_rollout(
+        return compare(
             self.roles,
             ckpt,
             batch,
