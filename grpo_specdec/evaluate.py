@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from grpo_specdec.checkpoint_pointer import latest_checkpoint
 from grpo_specdec.tasks.datasets import (
     NO_TEMPLATE,
     ArithmeticSource,
@@ -121,8 +122,6 @@ def evaluate(
 def policy_folder(path: str) -> str:
     """The policy weights a path names: a model folder, a checkpoint (its policy/), or a
     run (its latest checkpoint's policy/); a folder without weights is an error."""
-    from grpo_specdec.job.checkpoints import latest_checkpoint
-
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"--model {path}: no such folder")

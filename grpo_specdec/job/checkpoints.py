@@ -13,13 +13,13 @@ import shutil
 import zipfile
 from pathlib import Path
 
-from grpo_specdec.atomic_file import sync_dir, write_atomic
+from grpo_specdec.atomic_file import sync_dir
+from grpo_specdec.checkpoint_pointer import LATEST, latest_checkpoint, point_latest_at
 from grpo_specdec.fingerprint import fingerprint
 from grpo_specdec.job.restarts import JobStopped
 from grpo_specdec.learner_state import load_learner_state
 from grpo_specdec.modelcheck import check_model_dir
 
-LATEST = "latest"  # file naming the newest complete checkpoint, replaced atomically
 ABANDONED = "abandoned"  # where a resume moves the checkpoints of the timeline it leaves
 _ITERATION = re.compile(r"iter_(\d+)")
 
@@ -197,30 +197,6 @@ def resume_point(path: Path) -> Path:
         )
     check_checkpoint(ckpt)
     return ckpt
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under root, or None if there is none yet."""
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    if not re.fullmatch(r"iter_\d+", name):
-        raise ValueError(
-            f"{pointer} names {name!r}, not a checkpoint of this folder (iter_N): refusing to "
-            "follow it elsewhere"
-        )
-    path = root / name
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(
-            f"checkpoint {path} named by {pointer} is incomplete (no state.json)"
-        )
-    return path
-
-
-def point_latest_at(root: Path, ckpt: Path) -> None:
-    """Name `ckpt` (a folder in root) as the newest checkpoint, atomically and durably."""
-    write_atomic(root / LATEST, ckpt.name)
 
 
 def sync_tree(path: Path) -> None:
