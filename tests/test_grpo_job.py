@@ -372,7 +372,7 @@ def test_resume_from_an_older_checkpoint_makes_it_the_only_timeline(
     job = Job(cfg)
     try:
         # This start's new head replaced that one whole, and the engine serves it.
-        assert job._engine_cfg["speculative"]["draft"] == str(out / "initial_draft")
+        assert job._engine_cfg.speculative.draft == str(out / "initial_draft")
         assert sorted(p.name for p in (out / "initial_draft").iterdir()) == [
             "config.json",
             "model.safetensors",

@@ -81,7 +81,7 @@ def compare_rollout(
     processes took during each. `checkpoint`: of the final weights (its policy folder is
     what the engine without speculation serves)."""
     prompts, sampling, per_request = requests_of(batch, cfg, seed)
-    plain_cfg = {**roles.engine_cfg, "model": str(checkpoint / "policy"), "speculative": None}
+    plain_cfg = roles.plain_engine_config(str(checkpoint / "policy"))
     plain = roles.placement.actor("rollout", None).remote(plain_cfg, {})
     # Start-up is not part of the comparison; it must end, though: outside the job's
     # placement groups, Ray waits for room for this engine for as long as it takes.

@@ -91,7 +91,8 @@ def engine_config(
     cfg: TrainConfig, policy_dir: str, draft_dir: str | None, profile: str | None, dtype: str
 ) -> dict:
     """The EngineConfig fields of an engine serving `policy_dir` (with `draft_dir`) in
-    `dtype` (`serving_dtype`)."""
+    `dtype` (`serving_dtype`). `Roles` validates them once, on the driver, and hands each
+    engine actor the EngineConfig itself."""
     r = cfg.rollout
     spec = None
     if r.speculation != "off":

@@ -14,6 +14,7 @@ import ray
 
 from grpo_specdec.draft.head import aux_layers_of
 from grpo_specdec.draft.learner import DraftRound
+from grpo_specdec.engine_config import EngineConfig
 from grpo_specdec.job.actors import Placement
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.checkpoints import replace_dir
@@ -46,7 +47,7 @@ class Roles:
         self.checkpoints = out / "checkpoints"
         self.placement = Placement(cfg.ray, draft=self._has_draft_learner(cfg.model.draft))
         self.rollouts, self.policies, self.draft = [], [], None
-        self.engine_cfg: dict = {}
+        self.engine_cfg: EngineConfig | None = None  # the engines', checked here, before Ray
         self.profile: str | None = None
         self.weights: WeightSync | None = None
 
@@ -97,7 +98,9 @@ class Roles:
         if ckpt is not None:
             self.wait("a checkpoint load", [p.load.remote(ckpt) for p in self.policies])
         self.profile = self.profile or latency_profile(cfg, self.base_policy, draft_dir, self.log)
-        self.engine_cfg = engine_config(cfg, policy_dir, draft_dir, self.profile, self.engine_dtype)
+        self.engine_cfg = EngineConfig.model_validate(
+            engine_config(cfg, policy_dir, draft_dir, self.profile, self.engine_dtype)
+        )
         # A resumed run's engines start from a checkpoint's float32 folder, a fresh one's from
         # the base's (bfloat16 for SmolLM2): each checks updates against its own folder.
         self.publish_dtype = stored_dtype(policy_dir)
@@ -109,7 +112,9 @@ class Roles:
         started_at = versions.get("policy", 0)
         self.rollouts = [
             place.actor("rollout", i).remote(
-                {**self.engine_cfg, "seed": engine_seed(cfg.seed, i, started_at, self.starts)},
+                self.engine_cfg.model_copy(
+                    update={"seed": engine_seed(cfg.seed, i, started_at, self.starts)}
+                ),
                 versions,
             )
             for i in range(cfg.ray.rollout_workers)
@@ -121,6 +126,12 @@ class Roles:
             self.rollouts, self._served_at_start(versions), self.log, get=self._await_loads
         )
         return versions.get("draft", 0)
+
+    def plain_engine_config(self, policy_dir: str) -> EngineConfig:
+        """The config of an engine as the job's, without speculation, serving `policy_dir`
+        (the end-of-run comparison's): its context length is resolved for that model alone."""
+        fields = engine_config(self.cfg, policy_dir, None, None, self.engine_dtype)
+        return EngineConfig.model_validate({**fields, "speculative": None})
 
     def _save_initial_head(self) -> str:
         head = self.out / "initial_draft"
@@ -233,8 +244,8 @@ class Roles:
         if self.draft is not None:
             jobs.append(self.draft.save.remote(folder))
         self.wait("a checkpoint save", jobs)  # FSDP ranks gather together: one dead holds all
-        if self.draft is None and self.engine_cfg["speculative"]:
-            shutil.copytree(self.engine_cfg["speculative"]["draft"], folder / "draft")
+        if self.draft is None and self.engine_cfg.speculative:
+            shutil.copytree(self.engine_cfg.speculative.draft, folder / "draft")
 
     def shutdown(self) -> None:
         """Stop every actor cleanly; one that died already (the fault a stopped job names)

@@ -108,10 +108,11 @@ def _joined(parts: list[Rollout], wall_s: float, finished_s: list[float]) -> Rol
 
 
 class RolloutWorker:
-    def __init__(self, engine_cfg: dict, weight_versions: dict[str, int]):
-        """`weight_versions`: the learners' versions of the weights the engine starts from
-        (a checkpoint's, after a resume), so later swaps and lags count on from them."""
-        self.engine = Engine(EngineConfig.model_validate(engine_cfg))
+    def __init__(self, engine_cfg: EngineConfig, weight_versions: dict[str, int]):
+        """`engine_cfg`: validated by the driver (`Roles`), which reads the same model
+        folders; `weight_versions`: the learners' versions of the weights the engine starts
+        from (a checkpoint's, after a resume), so later swaps and lags count on from them."""
+        self.engine = Engine(engine_cfg)
         self.engine.declare_weight_versions(weight_versions)
         self._saved = None  # the policy `save_controller` kept
 
