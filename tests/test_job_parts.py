@@ -314,26 +314,24 @@ def test_vllm_records_go_to_the_file_and_only_errors_to_the_console(tmp_path, ca
 def test_iteration_record_carries_sync_times_and_the_draft_lag():
     from grpo_specdec.draft.learner import DraftRound
     from grpo_specdec.job.learners import PolicyRound
-    from grpo_specdec.job.metrics import iteration_record
+    from grpo_specdec.job.metrics import IterationRounds, RolloutRound, iteration_record
     from grpo_specdec.job.roles import Published
     from grpo_specdec.job.rollout_worker import Rollout
 
     spec = {"acceptance_rate": 0.5, "mean_acceptance_length": 2.0, "per_position_acceptance": []}
     rollout = Rollout([[1]], [[[2, 3], [4]]], [["a", "b"]], spec, 0.5, {0: 1, 2: 3})
     rollout.draft_rollbacks = [Rollback(3, 2, 0.01, 0.6, 300)]
-    record = iteration_record(
-        4,
-        torch.tensor([[1.0, 0.0]]),
-        torch.tensor([[1.0, 0.0]]),
-        torch.tensor([True]),
-        rollout,
-        [rollout],
-        {"generation": 1.0, "policy_update": 2.0, "draft_wait": 0.5, "sync": 0.25},
-        {"policy": 5, "draft": 3},
-        PolicyRound(sequences=2, entropy=1.5, version=5, steps=1, means={"loss": 0.25}),
-        DraftRound(1, 0, 2, False, 0.4, 3, {"loss": 1.5}),
-        Published({"policy": {"total_s": 0.2}}, draft_trained_on_policy=4),
+    scores = torch.tensor([[1.0, 0.0]])
+    rounds = IterationRounds(
+        rolled=RolloutRound([None], rollout, [rollout], scores, scores),
+        informative=torch.tensor([True]),
+        policy=PolicyRound(sequences=2, entropy=1.5, version=5, steps=1, means={"loss": 0.25}),
+        draft=DraftRound(1, 0, 2, False, 0.4, 3, {"loss": 1.5}),
+        published=Published({"policy": {"total_s": 0.2}}, draft_trained_on_policy=4),
+        seconds={"generation": 1.0, "policy_update": 2.0, "draft_wait": 0.5, "sync": 0.25},
+        versions={"policy": 5, "draft": 3},
     )
+    record = iteration_record(4, rounds)
     assert record["iteration_s"] == 3.75 and record["draft_train_s"] == 0.4
     assert record["tokens_per_s"] == 6.0 and record["response_length"] == 1.5
     assert record["k_steps"] == {"0": 1, "2": 3} and "engines" not in record

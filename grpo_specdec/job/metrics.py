@@ -5,6 +5,7 @@ first-vs-last summary printed at the end."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,31 +15,46 @@ from grpo_specdec.atomic_file import write_atomic
 from grpo_specdec.draft.learner import DraftRound
 from grpo_specdec.job.learners import PolicyRound
 from grpo_specdec.job.roles import Published
+from grpo_specdec.job.rollout_worker import Rollout
 
 
-def iteration_record(
-    iteration: int,
-    rewards: torch.Tensor,
-    correct: torch.Tensor,
-    informative: torch.Tensor,
-    rollout,
-    per_engine: list,
-    seconds: dict[str, float],
-    versions: dict[str, int],
-    policy: PolicyRound,
-    draft: DraftRound | None,
-    published: Published,
-) -> dict:
-    """One iteration's metrics. `rewards`, `correct`: [prompt, sample]; `rollout`: the
-    engines' rollouts gathered; `seconds`: the iteration's phases; `draft`: None where no
-    draft learns online."""
+@dataclass
+class RolloutRound:
+    """One iteration's rollout, scored; with dynamic sampling (rollout.max_gen_batches > 1)
+    every batch it took, in order."""
+
+    examples: list
+    rollout: Rollout  # the engines' rollouts gathered
+    per_engine: list[Rollout]  # each engine's, its batches chained
+    rewards: torch.Tensor  # [prompt, sample]
+    correct: torch.Tensor  # [prompt, sample]: 1.0 where the answer is right
+
+
+@dataclass
+class IterationRounds:
+    """What one iteration did, phase by phase: its record is made from it."""
+
+    rolled: RolloutRound
+    informative: torch.Tensor  # [prompt]: the groups the policy learnt from
+    policy: PolicyRound
+    draft: DraftRound | None  # None where no draft learns online
+    published: Published
+    seconds: dict[str, float]  # by phase: generation, policy_update, draft_wait, sync
+    versions: dict[str, int]  # by role: the weights the engines serve after it
+
+
+def iteration_record(iteration: int, rounds: IterationRounds) -> dict:
+    """One iteration's metrics."""
+    rolled, seconds, versions = rounds.rolled, rounds.seconds, rounds.versions
+    rollout, rewards = rolled.rollout, rolled.rewards
+    draft, published = rounds.draft, rounds.published
     n_tokens = sum(len(x) for g in rollout.responses for x in g)
     record = {
         "iteration": iteration,
         "reward_mean": float(rewards.mean()),
         "rewards": [round(float(x), 4) for x in rewards.flatten()],
-        "accuracy": float(correct.mean()),
-        "informative_groups": int(informative.sum()),
+        "accuracy": float(rolled.correct.mean()),
+        "informative_groups": int(rounds.informative.sum()),
         "response_length": n_tokens / rewards.numel(),
         "generation_s": seconds["generation"],
         "policy_update_s": seconds["policy_update"],
@@ -55,11 +71,11 @@ def iteration_record(
         "engine_policy_version": versions["policy"],
         "engine_draft_version": versions["draft"],
         "draft_rollbacks": [r.describe() for r in rollout.draft_rollbacks],
-        **policy.record(),
+        **rounds.policy.record(),
         **(draft.record() if draft is not None else {}),
     }
-    if len(per_engine) > 1:
-        record["engines"] = [part.summary() for part in per_engine]
+    if len(rolled.per_engine) > 1:
+        record["engines"] = [part.summary() for part in rolled.per_engine]
     if published.draft_trained_on_policy is not None:
         record["draft_trained_on_policy"] = published.draft_trained_on_policy
         record["draft_policy_lag"] = versions["policy"] - published.draft_trained_on_policy

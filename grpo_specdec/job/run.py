@@ -35,7 +35,13 @@ from grpo_specdec.job.config import CompareSettings, RewardSettings, TrainConfig
 from grpo_specdec.job.engine_setup import check_context_length, serving_dtype
 from grpo_specdec.job.learners import PolicyBatch
 from grpo_specdec.job.logs import VllmLog, check_private
-from grpo_specdec.job.metrics import MetricsSink, iteration_record, truncate_records
+from grpo_specdec.job.metrics import (
+    IterationRounds,
+    MetricsSink,
+    RolloutRound,
+    iteration_record,
+    truncate_records,
+)
 from grpo_specdec.job.models import resolve_model
 from grpo_specdec.job.restarts import CallPastDeadline, RestartBudget
 from grpo_specdec.job.roles import Roles
@@ -150,14 +156,14 @@ class Job:
     def step(self) -> dict:
         """One GRPO iteration: roll out, reward, advantages, learn, sync the engines."""
         seconds, lap = {}, _stopwatch()
-        examples, rollout, per_engine, rewards, correct = self._roll_out()
+        rolled = self._roll_out()
         seconds["generation"] = lap()
-        watched = self._watch_drafts(rollout)
+        watched = self._watch_drafts(rolled.rollout)
 
-        advantages, informative = group_advantages(rewards)
+        advantages, informative = group_advantages(rolled.rewards)
         informative = first_informative(informative, self.cfg.rollout.prompts_per_iteration)
         learning = self.roles.learn(
-            PolicyBatch.of(rollout, advantages, informative, self.cfg.rollout.temperature),
+            PolicyBatch.of(rolled.rollout, advantages, informative, self.cfg.rollout.temperature),
             self.draft_version,
         )
         policy = learning.policy()
@@ -172,24 +178,13 @@ class Job:
             self.draft_judge.swapped(Head(*self.roles.weights.served["draft"]))
         seconds["sync"] = lap()
 
-        versions = self.roles.weights.versions()
-        batches = len(examples) // self.cfg.rollout.prompts_per_iteration
-        self.cursor += len(examples)
-        self.iteration += 1
-        record = iteration_record(
-            self.iteration,
-            rewards,
-            correct,
-            informative,
-            rollout,
-            per_engine,
-            seconds,
-            versions,
-            policy,
-            draft,
-            published,
+        rounds = IterationRounds(
+            rolled, informative, policy, draft, published, seconds, self.roles.weights.versions()
         )
-        return record | {"gen_batches": batches} | watched
+        batches = len(rolled.examples) // self.cfg.rollout.prompts_per_iteration
+        self.cursor += len(rolled.examples)
+        self.iteration += 1
+        return iteration_record(self.iteration, rounds) | {"gen_batches": batches} | watched
 
     def _watch_drafts(self, rollout: Rollout) -> dict:
         """The engine's draft rollbacks reach the draft learner, which goes back with it (or
@@ -236,10 +231,10 @@ class Job:
         judge.rolled_back()
         rollout.draft_rollbacks.append(rollback)
 
-    def _roll_out(self) -> tuple[list, Rollout, list[Rollout], torch.Tensor, torch.Tensor]:
-        """This iteration's batch rolled out, and with rollout.max_gen_batches > 1 (DAPO's
-        dynamic sampling) the next ones too until prompts_per_iteration groups have reward
-        variance. -> (examples, their rollout, each engine's, rewards, correct), in order."""
+    def _roll_out(self) -> RolloutRound:
+        """This iteration's batch rolled out and scored, and with rollout.max_gen_batches > 1
+        (DAPO's dynamic sampling) the next ones too until prompts_per_iteration groups have
+        reward variance."""
         cfg = self.cfg.rollout
         examples, rounds, gathered, rewards, correct = [], [], [], [], []
         while len(rounds) < cfg.max_gen_batches:
@@ -253,7 +248,9 @@ class Job:
             if group_advantages(torch.cat(rewards))[1].sum() >= cfg.prompts_per_iteration:
                 break
         per_engine = [Rollout.chain(list(parts)) for parts in zip(*rounds, strict=True)]
-        return examples, Rollout.chain(gathered), per_engine, torch.cat(rewards), torch.cat(correct)
+        return RolloutRound(
+            examples, Rollout.chain(gathered), per_engine, torch.cat(rewards), torch.cat(correct)
+        )
 
     def evaluate(self) -> dict:
         """Held-out accuracy of the policy the engines serve now (`grpo_specdec/evaluate.py`),
