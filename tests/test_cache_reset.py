@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from vllm_plugin.weights.clients import CACHE_NOT_RESET, HTTPClient, RPCClient
+from vllm_plugin.weights.swap_folder import engine_swap_folder
 from vllm_plugin.weights.trainer import ShmTrainerInitInfo, StateDictSource
+
+
+def _folder() -> str:
+    return str(engine_swap_folder("test-cache-reset"))
 
 
 class _Engine:
@@ -24,6 +29,7 @@ class _Engine:
 
     def rpc(self, method, kwargs=None):
         self.calls.append(method)
+        return [_folder()] if method == "grpo_swap_folder" else None
 
 
 def _push(client):
@@ -57,10 +63,12 @@ def server():
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             state["paths"].append(self.path)
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            sent = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             body = b""
             if self.path.startswith("/reset_prefix_cache"):
                 body = json.dumps({"success": state["reset_success"]}).encode()
+            if self.path == "/collective_rpc" and json.loads(sent)["method"] == "grpo_swap_folder":
+                body = json.dumps({"results": [_folder()]}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

@@ -283,33 +283,44 @@ def test_vllms_trainer_factory_moves_a_head_in_through_vllms_weight_update_api(
         assert swap_engine.generate(questions, GREEDY).spec == after.spec
 
 
-def test_only_files_in_the_swap_folder_are_loaded(swap_engine, tiny_target):
-    from vllm_plugin.weights.swap_folder import swap_folder
+def test_only_files_in_the_engine_s_own_swap_folder_are_loaded(swap_engine, tiny_target):
+    """Not a file the server can read elsewhere, nor a link, nor a whole valid weight file
+    written for another engine of the same user (its folder, or the user's folder above)."""
+    import shutil
+
+    from vllm_plugin.weights.swap_folder import engine_swap_folder, swap_folder
 
     version = swap_engine.weight_versions()["policy"]
+    own = Path(swap_engine.llm.collective_rpc("grpo_swap_folder")[0])
+    assert own.parent == swap_folder() and own != engine_swap_folder("another")
     served_file = Path(tiny_target) / "model.safetensors"
-    link = swap_folder() / "policy-link.safetensors"
+    link = own / "policy-link.safetensors"
     link.symlink_to(served_file)
+    others = [engine_swap_folder("another") / "policy.safetensors", swap_folder() / "p.safetensors"]
+    for other in others:
+        shutil.copy(served_file, other)
     try:
-        for path in (served_file, link, swap_folder() / ".." / served_file.name):
+        for path in (served_file, link, own / ".." / served_file.name, *others):
             # Through vLLM's weight-update API itself, as any trainer may call it.
             swap_engine.llm.start_weight_update()
             with pytest.raises(
-                Exception, match=rf"refused weight file {re.escape(str(path))}: .*swap folder"
+                Exception,
+                match=rf"refused weight file {re.escape(str(path))}: .*swap folder {own}",
             ):
                 swap_engine.llm.update_weights(
                     {"update_info": {"path": str(path), "version": version + 1}}
                 )
     finally:
         link.unlink()
+        for other in others:
+            other.unlink()
     assert swap_engine.weight_versions()["policy"] == version
 
 
 def test_the_last_good_swap_file_is_gone_yet_still_restores(swap_engine, trained_head, questions):
-    from vllm_plugin.weights.swap_folder import swap_folder
-
     swap_engine.swap_weights("draft", trained_head.export_state_dict(torch.float32), version=30)
-    assert not list(swap_folder().glob("draft-v30-*"))  # the engine holds it open
+    own = Path(swap_engine.llm.collective_rpc("grpo_swap_folder")[0])
+    assert not list(own.glob("draft-v30-*"))  # the engine holds it open
     reference = swap_engine.generate(questions, GREEDY).spec
     perturbed = {k: v + 0.5 for k, v in trained_head.export_state_dict(torch.float32).items()}
     swap_engine.llm.collective_rpc(_fail_halfway)
@@ -486,7 +497,6 @@ def test_a_session_left_open_by_a_dead_trainer_is_undone_not_served(
     from safetensors.torch import save_file
 
     from tests.conftest import scrambled
-    from vllm_plugin.weights.swap_folder import swap_folder
 
     meta = trained_head.swap_metadata()
     weights = trained_head.export_state_dict(torch.float32)
@@ -494,7 +504,8 @@ def test_a_session_left_open_by_a_dead_trainer_is_undone_not_served(
     good = swap_engine.generate(questions, GREEDY)
 
     def open_session(pid: int, version: int) -> None:
-        path = swap_folder() / f"draft-v{version}-p{pid}-0123abcd.safetensors"
+        own = Path(swap_engine.llm.collective_rpc("grpo_swap_folder")[0])
+        path = own / f"draft-v{version}-p{pid}-0123abcd.safetensors"
         save_file(scrambled(weights), str(path), metadata=meta)
         try:
             swap_engine.llm.start_draft_weight_update()

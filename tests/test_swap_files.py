@@ -1,6 +1,8 @@
-"""Weight files in the swap folder (`vllm_plugin/weights/swap_folder.py`): a trainer killed between
-writing a file and removing it leaves it in shared memory, so the next writer sweeps files
-whose writer is gone; a full folder (a container's 64 MiB /dev/shm) is named with the fix."""
+"""Weight files in the engines' swap folders (`vllm_plugin/weights/swap_folder.py`): a trainer
+killed between writing a file and removing it leaves it in shared memory, so the next writer
+sweeps files whose writer is gone, in every engine's folder; a full folder (a container's 64
+MiB /dev/shm) is named with the fix; a folder an engine names is written to only if it is an
+engine's private folder inside the user's."""
 
 from __future__ import annotations
 
@@ -13,7 +15,12 @@ import pytest
 import torch
 
 from vllm_plugin.weights.manifest import WeightSwapError
-from vllm_plugin.weights.swap_folder import swap_file, swap_folder, sweep_orphans
+from vllm_plugin.weights.swap_folder import (
+    engine_swap_folder,
+    swap_file,
+    swap_folder,
+    sweep_orphans,
+)
 
 
 def _sleeper() -> subprocess.Popen:
@@ -22,7 +29,7 @@ def _sleeper() -> subprocess.Popen:
 
 def test_files_of_writers_that_died_are_swept_and_live_ones_kept():
     """A trainer SIGKILLed mid-swap: its file has no owner left to remove it."""
-    folder = swap_folder()
+    folder, ours = engine_swap_folder("gone-engine"), str(engine_swap_folder("test-engine"))
     killed, running = _sleeper(), _sleeper()
     orphan = folder / f"policy-v7-p{killed.pid}-0123abcd.safetensors"
     live = folder / f"draft-v3-p{running.pid}-89abcdef.safetensors"
@@ -31,8 +38,9 @@ def test_files_of_writers_that_died_are_swept_and_live_ones_kept():
         live.write_bytes(b"weights")
         killed.kill()  # SIGKILL: nothing of the writer's runs
         killed.wait()
-        with swap_file("draft", {"w": torch.zeros(4)}, 4, None) as path:
+        with swap_file("draft", {"w": torch.zeros(4)}, 4, None, ours) as path:
             assert path.is_file() and f"-p{os.getpid()}-" in path.name
+            assert str(path.parent) == ours
             assert not orphan.exists() and live.exists()
         assert not path.exists()
         assert sweep_orphans(folder) == []
@@ -44,6 +52,8 @@ def test_files_of_writers_that_died_are_swept_and_live_ones_kept():
 
 
 def test_a_full_swap_folder_is_named_with_the_fix(monkeypatch):
+    folder = engine_swap_folder("test-engine")
+
     def no_room(tensors, path, metadata=None):
         open(path, "wb").write(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -53,6 +63,30 @@ def test_a_full_swap_folder_is_named_with_the_fix(monkeypatch):
         WeightSwapError,
         match=r"no room for the policy weights \(\d+ MiB\) in the swap folder .*--shm-size",
     ):
-        with swap_file("policy", {"w": torch.zeros(1 << 20)}, 1, None):
+        with swap_file("policy", {"w": torch.zeros(1 << 20)}, 1, None, str(folder)):
             pass
-    assert not list(swap_folder().glob("policy-v1-p*"))  # the partial file is gone
+    assert not list(folder.glob("policy-v1-p*"))  # the partial file is gone
+
+
+def test_a_trainer_writes_only_to_an_engine_s_private_folder_inside_the_user_s(tmp_path):
+    """An engine names its folder; a trainer writes there only if it is one of the user's
+    engines' folders, private, so that a server answering with any other path (its own
+    parent folder, another user's) is refused before a byte is written."""
+    weights = {"w": torch.zeros(2)}
+    made = engine_swap_folder("another-engine")
+    (swap_folder() / "engine-opened").mkdir(mode=0o755, exist_ok=True)
+    os.chmod(swap_folder() / "engine-opened", 0o755)
+    for named, why in (
+        (str(swap_folder()), "not inside this user's swap folder"),
+        (str(tmp_path), "not inside this user's swap folder"),
+        (str(swap_folder() / "not-an-engine"), "not inside this user's swap folder"),
+        (str(swap_folder() / "engine-opened"), "has mode 0755, not 0700"),
+    ):
+        with pytest.raises(
+            WeightSwapError, match=f"named {named} as its weight swap folder.*{why}"
+        ):
+            with swap_file("policy", weights, 1, None, named):
+                pass
+    with swap_file("policy", weights, 1, None, str(made)) as path:
+        assert path.parent == made
+    os.rmdir(swap_folder() / "engine-opened")

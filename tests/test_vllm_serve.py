@@ -289,21 +289,39 @@ def _noisy(weights: dict, seed: int) -> dict:
     return {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) for k, v in weights.items()}
 
 
-def test_the_swap_route_loads_only_files_in_the_private_swap_folder(server, tiny_target):
-    from vllm_plugin.weights.served_weights import ServedWeights
-    from vllm_plugin.weights.swap_folder import swap_folder
+def test_the_swap_route_loads_only_files_in_the_engine_s_own_swap_folder(server, tiny_target):
+    """The route names its engine's folder only to holders of the weights token, and loads
+    nothing from elsewhere: not a file the server can read, a link, a missing file, nor a
+    valid weight file another server's trainer wrote for it."""
+    import shutil
 
+    from vllm_plugin.weights.served_weights import ServedWeights
+    from vllm_plugin.weights.swap_folder import engine_swap_folder, swap_folder
+
+    request = urllib.request.Request(
+        f"{server}/v1/grpo/weights/folder",
+        headers={"Authorization": f"Bearer {API_KEY}", "X-Weights-Token": "wrong"},
+    )
+    with pytest.raises(urllib.error.HTTPError, match="403"):
+        urllib.request.urlopen(request, timeout=60)
+    own = Path(
+        ServedWeights(server, API_KEY, WEIGHTS_TOKEN)._call("GET", path="/folder")["swap_folder"]
+    )
+    assert own.parent == swap_folder()
     served_file = Path(tiny_target) / "model.safetensors"
-    link = swap_folder() / "policy-v31-link.safetensors"
+    link = own / "policy-v31-link.safetensors"
     link.symlink_to(served_file)
+    another = engine_swap_folder("another-server") / "policy-v31.safetensors"
+    shutil.copy(served_file, another)
     try:
-        for path in (served_file, Path("/nonexistent/x.safetensors"), link):
+        for path in (served_file, Path("/nonexistent/x.safetensors"), link, another):
             code, answer = _post_swap(server, {"role": "policy", "path": str(path), "version": 31})
             assert code == 400, answer
             assert f"refused weight file {path}" in answer["error"], answer
-            assert f"swap folder {swap_folder()}" in answer["error"], answer
+            assert f"swap folder {own}" in answer["error"], answer
     finally:
         link.unlink()
+        another.unlink()
     assert ServedWeights(server, API_KEY, WEIGHTS_TOKEN).versions()["policy"] != 31
 
 
@@ -321,7 +339,7 @@ def test_a_timed_out_swap_leaves_no_file_and_a_whole_engine(server, tiny_target,
         ServedWeights(server, API_KEY, WEIGHTS_TOKEN, timeout_s=0.001).swap(
             "policy", _noisy(original, 1), 50
         )
-    assert not list(swap_folder().glob("policy-v50-*"))  # removed, whether loaded or not
+    assert not list(swap_folder().rglob("policy-v50-*"))  # removed, whether loaded or not
     # Loaded or refused (no file), never a mix: a swap after it succeeds, completions answer.
     assert weights.versions()["policy"] in (version, 50)
     weights.swap("policy", original, 51)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,12 +142,11 @@ def test_a_load_whose_trainer_died_before_committing_it_is_undone_before_a_step(
     """The dead trainer's weights are in the model under the old version: the guard's
     question to the workers ends its session and undoes the load, and the requests run on
     the weights the engine had."""
-    from vllm_plugin.weights.swap_folder import swap_folder
-
     reference = _generate(engine, questions)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    path = swap_folder() / f"policy-v9-p{gone.pid}-deadbeef.safetensors"
+    folder = Path(engine.llm.collective_rpc("grpo_swap_folder")[0])
+    path = folder / f"policy-v9-p{gone.pid}-deadbeef.safetensors"
     save_file({k: v.contiguous() for k, v in _noisy(policy, 2).items()}, path)
     try:
         engine.llm.collective_rpc("start_weight_update")

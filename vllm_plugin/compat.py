@@ -39,6 +39,12 @@ def layerwise_reload(model, model_config, vllm_config):
             finalize_layerwise_reload(model, model_config)
 
 
+def engine_instance_id(vllm_config) -> str:
+    """vLLM's id of one engine (`VllmConfig.instance_id`, 0.32 and 0.33), the same on each of
+    its ranks: they receive the config the engine was built with."""
+    return str(vllm_config.instance_id)
+
+
 def full_weights(source) -> Iterator[tuple[str, object]]:
     """A trainer's `WeightSource` as full (name, tensor) pairs: vLLM 0.33's sources yield
     them from `iter_full()`, vLLM 0.32's from iterating the source."""

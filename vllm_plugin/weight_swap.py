@@ -3,8 +3,8 @@
 Loading is the `grpo_shm` weight-transfer engine's (vllm_plugin/weights/shm_transfer.py),
 driven through vLLM's RL API: `start_weight_update` (or `start_draft_weight_update`),
 `update_weights({"path", "version"})`, `finish_weight_update`. Weights travel as a
-safetensors file that the caller put in the private swap folder (`weights.swap_folder`;
-files anywhere else are refused), so nothing is pickled tensor by tensor and the same call
+safetensors file that the caller put in the engine's private swap folder
+(`grpo_swap_folder`, `weights.swap_folder`; files anywhere else are refused), so nothing is pickled tensor by tensor and the same call
 works with the engine in-process, in its own process or on several tensor-parallel ranks.
 Each rank opens the file first and keeps it open while it is the last good one: the caller
 may remove it at any time. What a rank holds per role is `weights.rank_weights.WeightSwaps`.
@@ -114,6 +114,11 @@ class WeightSwapExtension:
         drafter = self._grpo_group_drafter()
         for prompt, answers in zip(prompts, outputs, strict=True):
             drafter.add_history(prompt, answers)
+
+    def grpo_swap_folder(self) -> str:
+        """The folder a trainer writes this engine's weight files to (`weights.swap_folder`):
+        its own, so that no caller of another engine can have it load theirs."""
+        return str(self._grpo_transfer().swaps.folder)
 
     def grpo_weight_versions(self) -> dict[str, int]:
         return dict(self._grpo_transfer().swaps.versions)

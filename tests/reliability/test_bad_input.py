@@ -323,27 +323,37 @@ def test_swap_folder_is_made_private_and_a_squatted_one_is_passed_by(
         swap_folder()
 
 
-def test_swap_files_outside_the_swap_folder_are_refused(private_base, tmp_path):
+def test_swap_files_outside_the_engine_s_swap_folder_are_refused(private_base, tmp_path):
+    """An engine opens weight files only directly inside its own folder: not a file
+    elsewhere, nor a link, nor one in the user's swap folder or another engine's (what a
+    caller of one server could otherwise name to have it load another server's weights)."""
     import os
 
     from vllm_plugin.weights.manifest import WeightSwapError
-    from vllm_plugin.weights.swap_folder import open_swap_file, swap_folder
+    from vllm_plugin.weights.swap_folder import engine_swap_folder, open_swap_file, swap_folder
 
+    ours, theirs = engine_swap_folder("ours"), engine_swap_folder("theirs")
     outside = tmp_path / "secret.safetensors"
     outside.write_bytes(b"not for the swap route")
-    inside = swap_folder() / "policy-v1.safetensors"
+    inside = ours / "policy-v1.safetensors"
     inside.write_bytes(b"weights")
-    link = swap_folder() / "policy-v2.safetensors"
+    link = ours / "policy-v2.safetensors"
     link.symlink_to(outside)
-    for path in (outside, link, swap_folder() / ".." / outside.name, tmp_path / "missing"):
-        with pytest.raises(WeightSwapError, match=f"refused weight file {path}: .* swap folder"):
-            open_swap_file(str(path))
+    another = theirs / "policy-v4.safetensors"
+    another.write_bytes(b"another server's weights")
+    shared = swap_folder() / "policy-v5.safetensors"
+    shared.write_bytes(b"weights in no engine's folder")
+    for path in (outside, link, ours / ".." / "theirs" / another.name, another, shared):
+        with pytest.raises(
+            WeightSwapError, match=f"refused weight file {path}: .* swap folder {ours}"
+        ):
+            open_swap_file(str(path), ours)
     with pytest.raises(WeightSwapError) as refused:  # a link's target is not told
-        open_swap_file(str(link))
+        open_swap_file(str(link), ours)
     assert str(outside) not in str(refused.value)
     with pytest.raises(WeightSwapError, match="does not exist"):
-        open_swap_file(str(swap_folder() / "policy-v3.safetensors"))
-    fd = open_swap_file(str(inside))
+        open_swap_file(str(ours / "policy-v3.safetensors"), ours)
+    fd = open_swap_file(str(inside), ours)
     inside.unlink()  # its writer gave up; what was opened stays readable
     assert os.read(fd, 100) == b"weights"
     os.close(fd)

@@ -162,7 +162,7 @@ def test_job_recovers_from_faults_and_loses_nothing(
         ],
     )
     log: list[str] = []
-    before = set(swap_folder().glob("*.safetensors"))
+    before = set(swap_folder().rglob("*.safetensors"))
     job = Job(cfg, log=log.append)
     try:
         job.run()  # iteration 1, checkpoint 1
@@ -270,7 +270,7 @@ def test_job_recovers_from_faults_and_loses_nothing(
     # writer's may be another test's swap in flight).
     left = [
         p.name
-        for p in set(swap_folder().glob("*.safetensors")) - before
+        for p in set(swap_folder().rglob("*.safetensors")) - before
         if (pid := writer_pid(p)) is None or not process_alive(pid)
     ]
     assert not left, f"weight files left in the swap folder: {left}"

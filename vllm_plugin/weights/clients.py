@@ -1,8 +1,9 @@
 """The clients through which vLLM's weight-update lifecycle (`lifecycle`) reaches an engine,
 one per way of reaching it: vLLM's `VLLMWeightSyncClient` calls and what the plugin adds,
 the draft's start (vLLM's own clients cannot start a draft update), the abort of a load
-that failed on another rank, the end of a session a dead trainer left open and, for a
-trainer's swap, the prefix-cache reset after it.
+that failed on another rank, the end of a session a dead trainer left open, the engine's
+own swap folder (where a trainer writes the files it names) and, for a trainer's swap, the
+prefix-cache reset after it.
 
 - `LLMClient`: an `LLM` in this process;
 - `HTTPClient`: a `vllm serve` with vLLM's RL routes (`VLLM_SERVER_DEV_MODE=1`);
@@ -21,6 +22,7 @@ from typing import Any
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
 from vllm_plugin.weights.lifecycle import merged_session_ends
+from vllm_plugin.weights.swap_folder import agreed_folder
 
 
 class LLMClient:
@@ -50,6 +52,9 @@ class LLMClient:
     def end_stale_weight_update(self) -> dict:
         return merged_session_ends(self.llm.collective_rpc("grpo_end_stale_weight_update"))
 
+    def swap_folder(self) -> str:
+        return agreed_folder(self.llm.collective_rpc("grpo_swap_folder"))
+
     def reset_prefix_cache(self) -> None:
         check_cache_reset(self.llm.reset_prefix_cache(reset_running_requests=True))
 
@@ -78,16 +83,20 @@ class HTTPClient(HTTPVLLMWeightSyncClient):
     def abort_weight_update(self) -> None:
         self._post("collective_rpc", {"method": "grpo_abort_weight_update"})
 
-    def end_stale_weight_update(self) -> dict:
+    def _rpc(self, method: str) -> list:
         import requests
 
         response = requests.post(
-            f"{self.base_url}/collective_rpc",
-            json={"method": "grpo_end_stale_weight_update"},
-            timeout=self.timeout,
+            f"{self.base_url}/collective_rpc", json={"method": method}, timeout=self.timeout
         )
         response.raise_for_status()
-        return merged_session_ends(response.json()["results"])
+        return response.json()["results"]
+
+    def end_stale_weight_update(self) -> dict:
+        return merged_session_ends(self._rpc("grpo_end_stale_weight_update"))
+
+    def swap_folder(self) -> str:
+        return agreed_folder(self._rpc("grpo_swap_folder"))
 
     def reset_prefix_cache(self) -> None:
         import requests
@@ -140,6 +149,9 @@ class RPCClient:
     def end_stale_weight_update(self) -> dict:
         return merged_session_ends(self.rpc("grpo_end_stale_weight_update", None))
 
+    def swap_folder(self) -> str:
+        return agreed_folder(self.rpc("grpo_swap_folder", None))
+
 
 class AsyncEngineClient:
     """The lifecycle's client for an `AsyncLLM` whose event loop runs in another thread: the
@@ -173,3 +185,6 @@ class AsyncEngineClient:
         return merged_session_ends(
             self._wait(self.engine.collective_rpc("grpo_end_stale_weight_update"))
         )
+
+    def swap_folder(self) -> str:
+        return agreed_folder(self._wait(self.engine.collective_rpc("grpo_swap_folder")))

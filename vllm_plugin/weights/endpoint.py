@@ -13,7 +13,8 @@ update behind the keys, and a server started in dev mode beside it says at ERROR
 weights are open to anyone.
 
 The body names a safetensors file that a trainer on the server's machine, run by the
-server's user, wrote to the private swap folder (`served_weights.ServedWeights`):
+server's user, wrote to the engine's private swap folder, which `GET /v1/grpo/weights/folder`
+names to holders of the weights token (`served_weights.ServedWeights`):
 {"role": "policy" | "draft", "path", "version"}. The route drives vLLM's weight-update
 lifecycle on the engine, the one a trainer's client drives (`lifecycle`), with the
 `grpo_shm` transfer backend (start the server with `--weight-transfer-config
@@ -55,6 +56,7 @@ from vllm_plugin.weights.manifest import MixedWeightsError
 from vllm_plugin.weights.rank_weights import agreed_versions, merged_mixed
 from vllm_plugin.weights.served_weights import TOKEN_ENV, TOKEN_HEADER
 from vllm_plugin.weights.shm_transfer import BACKEND
+from vllm_plugin.weights.swap_folder import agreed_folder
 
 ROUTE = "/v1/grpo/weights"
 HEALTH = "/health"  # vLLM's
@@ -99,15 +101,32 @@ async def _update(engine, body: SwapRequest) -> dict:
     return {"version": body.version, **report}
 
 
+def _without_token(request: Request) -> JSONResponse | None:
+    given = request.headers.get(TOKEN_HEADER, "")
+    if hmac.compare_digest(given.encode(), request.app.state.grpo_weights_token.encode()):
+        return None
+    return JSONResponse(
+        {"error": f"a weight swap needs the server's weights token in {TOKEN_HEADER}"},
+        status_code=403,
+    )
+
+
+@router.get(ROUTE + "/folder")
+async def swap_folder(request: Request):
+    """The engine's own swap folder, where a trainer writes the files it names."""
+    refused = _without_token(request)
+    if refused is not None:
+        return refused
+    per_rank = await request.app.state.grpo_engine.collective_rpc("grpo_swap_folder")
+    return {"swap_folder": agreed_folder(per_rank)}
+
+
 @router.post(ROUTE)
 async def swap_weights(body: SwapRequest, request: Request):
     state = request.app.state
-    given = request.headers.get(TOKEN_HEADER, "")
-    if not hmac.compare_digest(given.encode(), state.grpo_weights_token.encode()):
-        return JSONResponse(
-            {"error": f"a weight swap needs the server's weights token in {TOKEN_HEADER}"},
-            status_code=403,
-        )
+    refused = _without_token(request)
+    if refused is not None:
+        return refused
     swap = asyncio.create_task(_swap(state, body))
     state.grpo_swaps.add(swap)  # the event loop holds tasks weakly
     swap.add_done_callback(state.grpo_swaps.discard)

@@ -13,6 +13,7 @@ until a load of that role succeeds.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from vllm_plugin.compat import layerwise_reload
+from vllm_plugin.compat import engine_instance_id, layerwise_reload
 from vllm_plugin.weights.manifest import (
     Manifest,
     MixedWeightsError,
@@ -34,7 +35,7 @@ from vllm_plugin.weights.manifest import (
     validate_metadata,
     validate_weights,
 )
-from vllm_plugin.weights.swap_folder import open_swap_file
+from vllm_plugin.weights.swap_folder import engine_swap_folder, open_swap_file
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,11 @@ class WeightSwaps:
         self.pending: dict[str, tuple[object, int]] = {}  # role -> (open file, version)
         self.mixed: dict[str, str] = {}
         self.last_report: dict = {}
+
+    @functools.cached_property
+    def folder(self) -> Path:
+        """This engine's swap folder, the only place its weight files are read from."""
+        return engine_swap_folder(engine_instance_id(self.vllm_config))
 
     def _manifest(self, role: str, model_config) -> Manifest:
         if role not in self.manifests:
@@ -77,7 +83,7 @@ class WeightSwaps:
         what = f"{role} (version {version}, {Path(path).name})"
         # A file object, not a bare descriptor: the one kept for restores closes when the
         # worker goes, freeing its unlinked shared memory.
-        held = os.fdopen(open_swap_file(path), "rb")
+        held = os.fdopen(open_swap_file(path, self.folder), "rb")
         opened = f"/proc/self/fd/{held.fileno()}"
         try:
             with safe_open(opened, "pt") as f:

@@ -18,6 +18,7 @@ from vllm_plugin.weights.swap_folder import swap_file
 # carries it in TOKEN_HEADER.
 TOKEN_ENV = "GRPO_SPECDEC_WEIGHTS_TOKEN"
 TOKEN_HEADER = "X-Weights-Token"
+FOLDER_TIMEOUT_S = 60.0
 
 
 class ServedWeights:
@@ -27,9 +28,11 @@ class ServedWeights:
         self.url, self.api_key, self.timeout_s = url.rstrip("/"), api_key, timeout_s
         self.weights_token = weights_token or os.environ.get(TOKEN_ENV, "")
 
-    def _call(self, method: str, body: dict | None = None) -> dict:
+    def _call(
+        self, method: str, body: dict | None = None, path: str = "", timeout_s: float | None = None
+    ) -> dict:
         request = urllib.request.Request(
-            f"{self.url}/v1/grpo/weights",
+            f"{self.url}/v1/grpo/weights{path}",
             data=None if body is None else json.dumps(body).encode(),
             method=method,
             headers={
@@ -39,7 +42,7 @@ class ServedWeights:
             },
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as err:
             raise RuntimeError(
@@ -57,7 +60,10 @@ class ServedWeights:
         `Engine.swap_weights` does in-process; a rejected swap raises and the server keeps
         serving its old weights. After a timeout or a lost connection the server may
         have loaded them or not: `versions()` says which it serves."""
-        with swap_file(role, weights, version, metadata) as path:
+        # The engine's own folder, asked each time (a restarted server has another); a
+        # question answered between steps, so not held to the swap's timeout.
+        folder = self._call("GET", path="/folder", timeout_s=FOLDER_TIMEOUT_S)["swap_folder"]
+        with swap_file(role, weights, version, metadata, folder) as path:
             try:
                 return self._call("POST", {"role": role, "path": str(path), "version": version})
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:

@@ -1,16 +1,18 @@
-"""The folder through which weight files travel from a trainer to its engine, private to
-the user that runs both.
+"""The folders through which weight files travel from a trainer to its engine, private to
+the user that runs both, one per engine.
 
-The trainer writes a safetensors file there and names it in the swap call; the engine
-opens only files inside it. So a caller of the swap route cannot make the server load,
-or probe for, any other file the server can read. The folder is named per user in shared
-memory, made with mode 0700, and checked (a real directory, owned by this user, mode 0700)
-on every use. Its name can be guessed, so another local user may have made it first, to
-replace a weight file between its writing and its loading or only to block every swap:
-such a folder is never used nor repaired; the swaps go through a private folder in this
-user's cache instead (on disk, which other users cannot write to), and the log names the
-squatted folder and its owner. Trainer and engine, the same user on one machine, pick the
-same folder either way.
+The trainer asks the engine for its folder (`grpo_swap_folder`, every client has the
+call), writes a safetensors file there and names it in the swap call; the engine opens
+only files directly inside its own folder. So a caller of one server's swap route cannot
+make it load, or probe for, any other file the server can read, another server's weight
+files included: each engine's folder (`engine-<vLLM's instance id>`) lies inside the
+user's swap folder, which is named per user in shared memory, made with mode 0700, and
+checked (a real directory, owned by this user, mode 0700) on every use. Its name can be
+guessed, so another local user may have made it first, to replace a weight file between
+its writing and its loading or only to block every swap: such a folder is never used nor
+repaired; the swaps go through a private folder in this user's cache instead (on disk,
+which other users cannot write to), and the log names the squatted folder and its owner.
+Trainer and engine, the same user on one machine, pick the same folder either way.
 """
 
 from __future__ import annotations
@@ -67,6 +69,39 @@ def swap_folder() -> Path:
     return fallback
 
 
+def engine_swap_folder(instance_id: str) -> Path:
+    """The swap folder of the engine with vLLM's `instance_id` (each rank of one engine
+    holds the same), made private if missing, inside the user's `swap_folder()`."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", instance_id) or "engine"
+    folder = swap_folder() / f"engine-{name}"
+    problem = _not_private(folder)
+    if problem is not None:
+        raise WeightSwapError(f"the engine's weight swap folder {folder} {problem}")
+    return folder
+
+
+def trainer_swap_folder(named: str) -> Path:
+    """The folder an engine named as its own (`grpo_swap_folder`), checked on the trainer's
+    side: a private folder directly inside this user's swap folder."""
+    folder = Path(os.path.abspath(named))
+    problem = "is not inside this user's swap folder " + str(swap_folder())
+    if folder.parent == swap_folder() and folder.name.startswith("engine-"):
+        problem = _not_private(folder)
+    if problem is not None:
+        raise WeightSwapError(
+            f"the engine named {named} as its weight swap folder, which {problem}: the "
+            "trainer and the engine must run as one user on one machine"
+        )
+    return folder
+
+
+def agreed_folder(per_rank: list[str]) -> str:
+    """The one swap folder every rank of an engine named."""
+    if len(set(per_rank)) != 1:
+        raise WeightSwapError(f"the engine's ranks name different swap folders: {per_rank}")
+    return per_rank[0]
+
+
 def _not_private(folder: Path) -> str | None:
     """What makes `folder` (made if missing) no folder private to this user; None if it is."""
     try:
@@ -93,15 +128,15 @@ def _user(uid: int) -> str:
         return "an unknown user"
 
 
-def open_swap_file(path: str) -> int:
+def open_swap_file(path: str, folder: Path) -> int:
     """A read-only descriptor of the weight file at `path`, which must name a file directly
-    inside the swap folder, not a link. The file may be unlinked once it is open: the
-    descriptor keeps it readable for as long as it is held. The path is checked as named,
-    never resolved, so a refusal tells the caller nothing about files outside the folder."""
-    folder = swap_folder()
+    inside the engine's swap `folder`, not a link. The file may be unlinked once it is
+    open: the descriptor keeps it readable for as long as it is held. The path is checked
+    as named, never resolved, so a refusal tells the caller nothing about files outside the
+    folder."""
     refusal = WeightSwapError(
-        f"refused weight file {path}: weights are loaded only from files written to the "
-        f"swap folder {folder} by this server's user (no links)"
+        f"refused weight file {path}: weights are loaded only from files written to this "
+        f"engine's swap folder {folder} by this server's user (no links)"
     )
     named = Path(os.path.abspath(path))
     if named.parent != folder:
@@ -147,17 +182,22 @@ def process_alive(pid: int) -> bool:
 
 @contextmanager
 def swap_file(
-    role: str, weights: dict[str, torch.Tensor], version: int, metadata: dict | None
+    role: str,
+    weights: dict[str, torch.Tensor],
+    version: int,
+    metadata: dict | None,
+    engine_folder: str,
 ) -> Iterator[Path]:
-    """`weights` as a file for the engine, `metadata` in its header; removed when the block
-    ends, however it ends. That is safe even while the engine may still be loading it (a
-    timed-out call): the engine opens the file before reading it and keeps it open while
-    it may reload it, and one that has not opened it yet finds no file and refuses the
-    swap, keeping its old weights."""
+    """`weights` as a file for the engine whose swap folder is `engine_folder` (as it named
+    it), `metadata` in its header; removed when the block ends, however it ends. That is
+    safe even while the engine may still be loading it (a timed-out call): the engine opens
+    the file before reading it and keeps it open while it may reload it, and one that has
+    not opened it yet finds no file and refuses the swap, keeping its old weights."""
     from safetensors.torch import save_file
 
-    folder = swap_folder()
-    sweep_orphans(folder)
+    folder = trainer_swap_folder(engine_folder)
+    for each in swap_folder().glob("engine-*"):  # those of engines gone too
+        sweep_orphans(each)
     path = folder / f"{role}-v{version}-p{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
     tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     try:

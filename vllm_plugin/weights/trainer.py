@@ -6,7 +6,7 @@ with `WeightTransferTrainerFactory`, driven through any `VLLMWeightSyncClient` (
         ShmTrainerInitInfo(rank=0, draft=True), client=LLMClient(llm), source=weights)
     engine.send_weights(version=7)
 
-`send_weights` writes the source's tensors to the private swap folder and drives one
+`send_weights` writes the source's tensors to the engine's private swap folder and drives one
 update through vLLM's lifecycle (`lifecycle`: a failed load is undone on every rank, a
 session a dead trainer left open is ended first); then the prefix cache is reset with the
 running requests recomputed, so that none computes with KV of the old weights (vLLM's
@@ -86,7 +86,8 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
             return 0.0
         start = time.perf_counter()
         role = "draft" if self.draft else "policy"
-        with swap_file(role, weights, version, self.metadata) as path:
+        folder = self.client.swap_folder()
+        with swap_file(role, weights, version, self.metadata, folder) as path:
             written = time.perf_counter() - start
             run_update(self.client, role, {"path": str(path), "version": version}, version)
         self.client.reset_prefix_cache()
