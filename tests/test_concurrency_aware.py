@@ -472,3 +472,48 @@ def test_without_the_cpu_sampling_fix_steps_with_sampled_requests_draft_nothing(
     assert sampled.spec["draft_tokens"] == 0 and greedy.spec["draft_tokens"] > 0
     said = [line for line in capsys.readouterr().err.splitlines() if "cpu_expand_kernel" in line]
     assert len(said) == 1 and "draft nothing (k = 0)" in said[0]
+
+
+def test_an_engine_whose_k0_steps_draft_says_once_when_the_draft_never_pays(
+    aware_engine, questions, monkeypatch, capsys
+):
+    """On this engine (CPU, Model Runner V1, synchronous, the free k = 0 patch applied) a
+    step at k = 0 skips the draft pass, so a controller that drafts nothing costs nothing
+    and nothing is said. Where k = 0 steps still run the draft (Model Runner V2, CUDA's
+    default) a window of steps at k = 0 is said once, as slower than no speculation."""
+    import vllm_plugin
+    from vllm_plugin.unpaid_draft import UnpaidDraftCheck, k0_steps_draft
+
+    scheduler = aware_engine.scheduler()
+    assert scheduler.unpaid_check.k0_steps_draft is False
+    assert k0_steps_draft("V1", vllm_plugin.PATCHED, async_scheduling=False) is False
+    assert k0_steps_draft("V2", vllm_plugin.PATCHED, async_scheduling=False) is True
+    assert k0_steps_draft("V1", vllm_plugin.PATCHED, async_scheduling=True) is True
+    assert k0_steps_draft("V1", [], async_scheduling=False) is True  # patches off
+
+    started_with = scheduler.policy
+    monkeypatch.setattr(vllm_plugin, "SAID", set())
+    inputs = [{"prompt_token_ids": aware_engine.encode(q)} for q in questions[:2]]
+    scheduler.set_policy(FixedPolicy(0))
+    try:
+        monkeypatch.setattr(scheduler, "unpaid_check", UnpaidDraftCheck(False, window=16))
+        aware_engine.llm.generate(inputs, [_sampling(40)] * 2, use_tqdm=False)
+        assert "draft head was used" not in capsys.readouterr().err
+        monkeypatch.setattr(scheduler, "unpaid_check", UnpaidDraftCheck(True, window=16))
+        aware_engine.llm.generate(inputs, [_sampling(40)] * 2, use_tqdm=False)
+        aware_engine.llm.generate(inputs, [_sampling(40)] * 2, use_tqdm=False)
+    finally:
+        scheduler.set_policy(started_with)
+    said = [line for line in capsys.readouterr().err.splitlines() if "draft head was used" in line]
+    assert len(said) == 1 and "0 of the last 16 decode steps" in said[0], said
+
+
+def test_a_window_where_the_draft_paid_often_enough_says_nothing():
+    from vllm_plugin.unpaid_draft import IDLE_SHARE, UnpaidDraftCheck
+
+    check = UnpaidDraftCheck(True, window=100)
+    drafting = round(100 * (1 - IDLE_SHARE)) + 1  # just enough steps drafting per window
+    said = [check.decode_step(2 if i % 100 < drafting else 0) for i in range(1000)]
+    assert not any(said)
+    said = [check.decode_step(2 if i % 100 < drafting - 2 else 0) for i in range(300)]
+    assert sum(s is not None for s in said) == 1  # once, however long it lasts

@@ -34,6 +34,7 @@ from vllm_plugin.goodput_controller import GoodputController
 from vllm_plugin.group.drafter import MODEL
 from vllm_plugin.k_check import KHonouredCheck
 from vllm_plugin.settings import ControllerSettings, find_latency, load_latency
+from vllm_plugin.unpaid_draft import UnpaidDraftCheck, k0_steps_draft
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,13 @@ class ConcurrencyAwareMixin:
         self._last_output_at = 0.0
         self._untimed_steps = 0  # steps not to time (the first after a cache reset)
         self.k_check = KHonouredCheck()
+        self.unpaid_check = UnpaidDraftCheck(
+            k0_steps_draft(
+                vllm_plugin.RUNNER,
+                vllm_plugin.PATCHED,
+                self.vllm_config.scheduler_config.async_scheduling,
+            )
+        )
         self.sampling_fix_missing = sampling_fix_missing(
             current_platform.is_cpu(), vllm_plugin.PATCHED
         )
@@ -305,6 +313,8 @@ class ConcurrencyAwareMixin:
             self._k_last_scheduled = k
             self._pending_steps[id(out)] = (start, batch, k, context, timed, sized_by)
             self.step_trace.append((time.monotonic(), batch, k, decode_only))
+            if decode_only and (message := self.unpaid_check.decode_step(k)):
+                vllm_plugin.say_once(message)
             if self.controller is not None and len(self.controller.acceptance.requests) > 2 * (
                 self.max_num_running_reqs
             ):
