@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
-from benchmarks.common import ASSETS, load_json, prose, table, write_study
+from benchmarks.common import ASSETS, load_json, parser, prose, table, write_study
 from benchmarks.rollout_throughput import OUTSIDE_PROMPTS, SHAPES, TAIL
 from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.simulate import (
@@ -300,6 +300,7 @@ def current_report(runs: dict[str, dict]) -> str:
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
     stored = {p.stem: load_json(p) for p in sorted(ASSETS.glob("rollout_*.json"))}
     current = {run: data for run, data in stored.items() if "profiles" in data}
     text = prose("simulator", "intro") + "\n\n" + current_report(current)
