@@ -1,7 +1,7 @@
 """The controller's regime suite: recorded rollouts replayed in closed loop, step by step,
 under every policy and every known step-cost profile (modelled, in seconds).
 
-A trace holds rollouts as an engine made them (benchmarks/regime_traces.py records
+A trace holds rollouts as an engine made them (`benchmarks/regime_suite.py --record` records
 them at a fixed k on the project's own engine): per request its prompt and output
 lengths, its first EOS, and every verified draft (output position, tokens drafted,
 accepted). From them `World` knows, at every output position of every request, how many
