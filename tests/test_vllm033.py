@@ -33,6 +33,12 @@ class RecordingClient:
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
 
+    def swap_folder(self):
+        from vllm_plugin.weights.swap_folder import engine_swap_folder
+
+        self.calls.append("swap_folder")
+        return str(engine_swap_folder("recording-client"))
+
 
 def test_a_draft_goes_through_vllms_trainer_factory_and_weight_source_api():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -53,6 +59,7 @@ def test_a_draft_goes_through_vllms_trainer_factory_and_weight_source_api():
     sender.send_weights(version=9)
     assert client.calls == [
         "init_weight_transfer_engine",
+        "swap_folder",
         "start_draft_weight_update",
         "update_weights",
         "finish_weight_update",
