@@ -482,14 +482,16 @@ def test_an_engine_whose_k0_steps_draft_says_once_when_the_draft_never_pays(
     and nothing is said. Where k = 0 steps still run the draft (Model Runner V2, CUDA's
     default) a window of steps at k = 0 is said once, as slower than no speculation."""
     import vllm_plugin
+    from vllm_plugin.patches import acting
     from vllm_plugin.unpaid_draft import UnpaidDraftCheck, k0_steps_draft
 
     scheduler = aware_engine.scheduler()
     assert scheduler.unpaid_check.k0_steps_draft is False
-    assert k0_steps_draft("V1", vllm_plugin.PATCHED, async_scheduling=False) is False
-    assert k0_steps_draft("V2", vllm_plugin.PATCHED, async_scheduling=False) is True
-    assert k0_steps_draft("V1", vllm_plugin.PATCHED, async_scheduling=True) is True
-    assert k0_steps_draft("V1", [], async_scheduling=False) is True  # patches off
+    on_v1, on_v2 = acting(vllm_plugin.PATCHED, "V1"), acting(vllm_plugin.PATCHED, "V2")
+    assert k0_steps_draft(on_v1, async_scheduling=False) is False
+    assert k0_steps_draft(on_v2, async_scheduling=False) is True
+    assert k0_steps_draft(on_v1, async_scheduling=True) is True
+    assert k0_steps_draft([], async_scheduling=False) is True  # patches off
 
     started_with = scheduler.policy
     monkeypatch.setattr(vllm_plugin, "SAID", set())

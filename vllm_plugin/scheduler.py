@@ -27,6 +27,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 import vllm_plugin
+from vllm_plugin import patches
 from vllm_plugin.acceptance import AcceptanceEstimator
 from vllm_plugin.compat import dense_k_table, is_registered
 from vllm_plugin.controller import FixedPolicy, PaperPolicy, Policy
@@ -216,10 +217,10 @@ class ConcurrencyAwareMixin:
         self._last_output_at = 0.0
         self._untimed_steps = 0  # steps not to time (the first after a cache reset)
         self.k_check = KHonouredCheck()
+        runner = patches.engine_runner(self.vllm_config)
         self.unpaid_check = UnpaidDraftCheck(
             k0_steps_draft(
-                vllm_plugin.RUNNER,
-                vllm_plugin.PATCHED,
+                patches.acting(vllm_plugin.PATCHED, runner),
                 self.vllm_config.scheduler_config.async_scheduling,
             )
         )

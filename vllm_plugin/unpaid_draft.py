@@ -15,10 +15,12 @@ WINDOW = 2048  # decode steps judged together: a rollout's bulk and its tail
 IDLE_SHARE = 0.9  # share of a window's steps at k = 0 that makes the draft unpaid
 
 
-def k0_steps_draft(runner: str | None, patched: list[str], async_scheduling: bool) -> bool:
-    """Whether a step at k = 0 still runs the draft pass in this engine: everywhere but on
-    Model Runner V1 with the free k = 0 patch applied and synchronous scheduling."""
-    return runner == "V2" or "free_k0_v0_32" not in patched or async_scheduling
+def k0_steps_draft(acting: list[str], async_scheduling: bool) -> bool:
+    """Whether a step at k = 0 still runs the draft pass in an engine whose acting patches
+    are `acting` (`patches.acting`: none of the V1 runner's on Model Runner V2): everywhere
+    but where the free k = 0 patch acts and scheduling is synchronous (asynchronous, the
+    patch stands aside)."""
+    return "free_k0_v0_32" not in acting or async_scheduling
 
 
 class UnpaidDraftCheck:
