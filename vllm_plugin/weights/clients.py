@@ -1,9 +1,8 @@
 """The clients through which vLLM's weight-update lifecycle (`lifecycle`) reaches an engine,
 one per way of reaching it: vLLM's `VLLMWeightSyncClient` calls and what the plugin adds,
 the draft's start (vLLM's own clients cannot start a draft update), the abort of a load
-that failed on another rank, the end of a session a dead trainer left open, the engine's
-own swap folder (where a trainer writes the files it names) and, for a trainer's swap, the
-prefix-cache reset after it.
+that failed on another rank, the end of a session a dead trainer left open and, for a trainer's swap, the engine's own
+swap folder (where it writes the files it names) and the prefix-cache reset after it.
 
 - `LLMClient`: an `LLM` in this process;
 - `HTTPClient`: a `vllm serve` with vLLM's RL routes (`VLLM_SERVER_DEV_MODE=1`);
@@ -185,6 +184,3 @@ class AsyncEngineClient:
         return merged_session_ends(
             self._wait(self.engine.collective_rpc("grpo_end_stale_weight_update"))
         )
-
-    def swap_folder(self) -> str:
-        return agreed_folder(self._wait(self.engine.collective_rpc("grpo_swap_folder")))

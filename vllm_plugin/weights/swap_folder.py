@@ -1,9 +1,10 @@
 """The folders through which weight files travel from a trainer to its engine, private to
 the user that runs both, one per engine.
 
-The trainer asks the engine for its folder (`grpo_swap_folder`, every client has the
-call), writes a safetensors file there and names it in the swap call; the engine opens
-only files directly inside its own folder. So a caller of one server's swap route cannot
+The trainer asks the engine for its folder (`grpo_swap_folder`, every trainer's client
+has the call), checks it (a private `engine-*` folder inside its user's), writes a
+safetensors file there and names it in the swap call; the engine opens only files directly
+inside its own folder (made and checked at its first swap), owned by its user. So a caller of one server's swap route cannot
 make it load, or probe for, any other file the server can read, another server's weight
 files included: each engine's folder (`engine-<vLLM's instance id>`) lies inside the
 user's swap folder, which is named per user in shared memory, made with mode 0700, and
@@ -80,13 +81,14 @@ def engine_swap_folder(instance_id: str) -> Path:
     return folder
 
 
-def trainer_swap_folder(named: str) -> Path:
+def trainer_swap_folder(named: str, base: Path) -> Path:
     """The folder an engine named as its own (`grpo_swap_folder`), checked on the trainer's
-    side: a private folder directly inside this user's swap folder."""
+    side: a private folder directly inside this user's swap folder `base`."""
     folder = Path(os.path.abspath(named))
-    problem = "is not inside this user's swap folder " + str(swap_folder())
-    if folder.parent == swap_folder() and folder.name.startswith("engine-"):
+    if folder.parent == base and folder.name.startswith("engine-"):
         problem = _not_private(folder)
+    else:
+        problem = f"is not inside this user's swap folder {base}"
     if problem is not None:
         raise WeightSwapError(
             f"the engine named {named} as its weight swap folder, which {problem}: the "
@@ -195,8 +197,9 @@ def swap_file(
     not opened it yet finds no file and refuses the swap, keeping its old weights."""
     from safetensors.torch import save_file
 
-    folder = trainer_swap_folder(engine_folder)
-    for each in swap_folder().glob("engine-*"):  # those of engines gone too
+    base = swap_folder()
+    folder = trainer_swap_folder(engine_folder, base)
+    for each in (base, *base.glob("engine-*")):  # engines gone too, and files of old installs
         sweep_orphans(each)
     path = folder / f"{role}-v{version}-p{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
     tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
