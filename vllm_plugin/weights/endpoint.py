@@ -53,7 +53,7 @@ from vllm_plugin.settings import DEADLINE_ENV, swap_deadline_s
 from vllm_plugin.weights.clients import AsyncEngineClient
 from vllm_plugin.weights.lifecycle import run_update
 from vllm_plugin.weights.manifest import MixedWeightsError
-from vllm_plugin.weights.rank_weights import agreed_versions, merged_mixed
+from vllm_plugin.weights.rank_weights import agreed_versions, merged_mixed, mixed_reasons
 from vllm_plugin.weights.served_weights import TOKEN_ENV, TOKEN_HEADER
 from vllm_plugin.weights.shm_transfer import BACKEND
 from vllm_plugin.weights.swap_folder import agreed_folder
@@ -78,10 +78,7 @@ class SwapRequest(BaseModel):
 def _refusal(state, overdue: bool = True) -> str | None:
     """Why the engine must not generate now, or None; `overdue`: a swap past its deadline
     counts (not for the swap itself, which ends it)."""
-    reasons = [
-        f"the {role} weights may be a mix ({why}); a successful {role} swap clears this"
-        for role, why in getattr(state, "grpo_mixed", {}).items()
-    ]
+    reasons = mixed_reasons(getattr(state, "grpo_mixed", {}))
     if getattr(state, "grpo_stale_cache", None):
         reasons.append(state.grpo_stale_cache)
     if overdue:

@@ -176,3 +176,12 @@ def merged_mixed(per_rank: list[dict[str, str]]) -> dict[str, str]:
         for role, why in mixed.items():
             merged.setdefault(role, f"rank {rank}: {why}" if len(per_rank) > 1 else why)
     return merged
+
+
+def mixed_reasons(mixed: dict[str, str]) -> list[str]:
+    """Why nothing may be generated, one reason per role of `mixed` (`merged_mixed`), in the
+    words every refusal uses: the trainer's, the served route's and the engine core's guard."""
+    return [
+        f"the {role} weights may be a mix ({why}); a {role} update that loads whole clears this"
+        for role, why in mixed.items()
+    ]

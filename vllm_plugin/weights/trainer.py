@@ -36,7 +36,7 @@ from vllm_plugin.compat import full_weights
 from vllm_plugin.weights.clients import LLMClient
 from vllm_plugin.weights.lifecycle import run_update
 from vllm_plugin.weights.manifest import MixedWeightsError
-from vllm_plugin.weights.rank_weights import ROLES, agreed_versions, merged_mixed
+from vllm_plugin.weights.rank_weights import ROLES, agreed_versions, merged_mixed, mixed_reasons
 from vllm_plugin.weights.shm_transfer import BACKEND
 from vllm_plugin.weights.swap_folder import swap_file
 
@@ -148,13 +148,7 @@ class LLMWeights:
         whose restore failed too): nothing may be generated on them."""
         mixed = merged_mixed(self.llm.collective_rpc("grpo_mixed_weights"))
         if mixed:
-            raise MixedWeightsError(
-                "refusing to generate: "
-                + "; ".join(
-                    f"the {role} weights may be a mix ({why}); a successful {role} swap clears this"
-                    for role, why in mixed.items()
-                )
-            )
+            raise MixedWeightsError("refusing to generate: " + "; ".join(mixed_reasons(mixed)))
 
 
 def register() -> None:

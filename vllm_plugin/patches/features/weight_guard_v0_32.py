@@ -82,11 +82,9 @@ class WeightGuard:
 
     def refusal(self, now: float) -> str | None:
         """Why every request must end now; None where the engine may run, or hold them."""
-        reasons = [
-            f"the {role} weights may be a mix ({why}); an update of the {role} that loads whole "
-            "clears this"
-            for role, why in self.mixed.items()
-        ]
+        from vllm_plugin.weights.rank_weights import mixed_reasons
+
+        reasons = mixed_reasons(self.mixed)
         if self.unanswered:
             reasons.append(self.unanswered)
         if self.session is not None and now - self.opened_at > self.deadline_s:
