@@ -339,8 +339,10 @@ def test_swap_with_engine_in_its_own_process(tiny_target, random_draft, trained_
         with pytest.raises(Exception, match="holds NaN"):
             engine.swap_weights("draft", _bad_weights(trained_head, "nan"), version=4)
         assert engine.weight_versions()["draft"] == 3
+        folder = Path(engine.llm.collective_rpc("grpo_swap_folder")[0])
     finally:
         engine.shutdown()
+    assert not folder.exists()  # an engine's folder goes with it, not to pile up in RAM
     assert [g[0].token_ids for g in before.outputs] == [g[0].token_ids for g in after.outputs]
     assert after.spec["mean_acceptance_length"] > before.spec["mean_acceptance_length"] + 0.5
 

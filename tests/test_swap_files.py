@@ -1,8 +1,9 @@
 """Weight files in the engines' swap folders (`vllm_plugin/weights/swap_folder.py`): a trainer
 killed between writing a file and removing it leaves it in shared memory, so the next writer
-sweeps files whose writer is gone, in every engine's folder; a full folder (a container's 64
-MiB /dev/shm) is named with the fix; a folder an engine names is written to only if it is an
-engine's private folder inside the user's."""
+sweeps files whose writer is gone, in every engine's folder; an engine's folder goes at its
+end unless a live trainer's file is in it; a full folder (a container's 64 MiB /dev/shm) is
+named with the fix; a folder an engine names is written to only if it is an engine's private
+folder inside the user's."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import errno
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from vllm_plugin.weights.manifest import WeightSwapError
+from vllm_plugin.weights.rank_weights import WeightSwaps
 from vllm_plugin.weights.swap_folder import (
     engine_swap_folder,
+    remove_engine_folder,
     swap_file,
     swap_folder,
     sweep_orphans,
@@ -90,3 +94,33 @@ def test_a_trainer_writes_only_to_an_engine_s_private_folder_inside_the_user_s(t
     with swap_file("policy", weights, 1, None, str(made)) as path:
         assert path.parent == made
     os.rmdir(swap_folder() / "engine-opened")
+
+
+def test_an_engine_s_folder_goes_at_its_end_unless_a_live_trainer_s_file_is_in_it():
+    """Engine ids are new at each start: a folder left behind would stay in shared memory."""
+    swaps = WeightSwaps(SimpleNamespace(instance_id="ending-engine"))
+    swaps.release_folder()  # no swap, no folder: nothing made only to be removed
+    assert not (swap_folder() / "engine-ending-engine").exists()
+    folder = swaps.folder
+    killed, running = _sleeper(), _sleeper()
+    killed.kill()
+    killed.wait()
+    orphan = folder / f"policy-v1-p{killed.pid}-0123abcd.safetensors"
+    live = folder / f"policy-v2-p{running.pid}-89abcdef.safetensors"
+    try:
+        orphan.write_bytes(b"weights")
+        live.write_bytes(b"weights")
+        remove_engine_folder(folder)
+        assert folder.is_dir() and not orphan.exists()  # kept for the live trainer's file
+        live.unlink()
+        swaps.release_folder()
+        assert not folder.exists()
+        remove_engine_folder(folder)  # another rank of the engine, after this one: no error
+        # An engine that a trainer let go of serves on: its next swap makes the folder again.
+        assert swaps.folder == folder and folder.is_dir()
+    finally:
+        running.kill()
+        running.wait()
+        live.unlink(missing_ok=True)
+        orphan.unlink(missing_ok=True)
+        swaps.release_folder()

@@ -35,7 +35,11 @@ from vllm_plugin.weights.manifest import (
     validate_metadata,
     validate_weights,
 )
-from vllm_plugin.weights.swap_folder import engine_swap_folder, open_swap_file
+from vllm_plugin.weights.swap_folder import (
+    engine_swap_folder,
+    open_swap_file,
+    remove_engine_folder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,13 @@ class WeightSwaps:
     def folder(self) -> Path:
         """This engine's swap folder, the only place its weight files are read from."""
         return engine_swap_folder(engine_instance_id(self.vllm_config))
+
+    def release_folder(self) -> None:
+        """Remove this engine's swap folder, if it was made, unless a live trainer's file is
+        in it (`remove_engine_folder`); a later swap, or a trainer's ask, makes it again."""
+        folder = self.__dict__.pop("folder", None)  # what the cached property made
+        if folder is not None:
+            remove_engine_folder(folder)
 
     def _manifest(self, role: str, model_config) -> Manifest:
         if role not in self.manifests:

@@ -134,11 +134,13 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self._role = None
 
     def shutdown(self) -> None:
-        """Nothing to release: vLLM calls this both when the worker ends and when a trainer
-        lets go of an engine that goes on serving, and in the second case the open files of
-        the last good weights are what a later abort restores. They close with the worker,
-        which frees their shared memory; files a dead trainer left in the folder are swept
-        by the next swap (swap_folder.sweep_orphans)."""
+        """The engine's swap folder goes unless a live trainer's file is in it (the files a
+        dead trainer left go with it); nothing else is released: vLLM calls this both when
+        the worker ends and when a trainer lets go of an engine that goes on serving, and in
+        the second case the open files of the last good weights are what a later abort
+        restores (unlinked, they need no folder), and the next swap makes the folder again.
+        The files close with the worker, which frees their shared memory."""
+        self.swaps.release_folder()
 
 
 def register() -> None:

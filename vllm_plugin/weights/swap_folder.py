@@ -4,7 +4,8 @@ the user that runs both, one per engine.
 The trainer asks the engine for its folder (`grpo_swap_folder`, every trainer's client
 has the call), checks it (a private `engine-*` folder inside its user's), writes a
 safetensors file there and names it in the swap call; the engine opens only files directly
-inside its own folder (made and checked at its first swap), owned by its user. So a caller of one server's swap route cannot
+inside its own folder (made and checked at its first swap, removed at its end unless a live
+trainer's file is in it), owned by its user. So a caller of one server's swap route cannot
 make it load, or probe for, any other file the server can read, another server's weight
 files included: each engine's folder (`engine-<vLLM's instance id>`) lies inside the
 user's swap folder, which is named per user in shared memory, made with mode 0700, and
@@ -79,6 +80,20 @@ def engine_swap_folder(instance_id: str) -> Path:
     if problem is not None:
         raise WeightSwapError(f"the engine's weight swap folder {folder} {problem}")
     return folder
+
+
+def remove_engine_folder(folder: Path) -> None:
+    """At its engine's end, its swap `folder` goes, with the files of writers that died in
+    it, unless a live trainer's file is there (that trainer removes its file): each engine
+    has an id of its own, so no later engine would use or remove the folder, and it would
+    stay in shared memory until the machine restarts."""
+    sweep_orphans(folder)
+    try:
+        folder.rmdir()
+    except OSError as err:
+        # ENOENT: another rank of the engine removed it first.
+        if err.errno not in (errno.ENOTEMPTY, errno.ENOENT):
+            logger.warning("the engine's swap folder %s stays: %s", folder, err)
 
 
 def trainer_swap_folder(named: str, base: Path) -> Path:
