@@ -329,6 +329,23 @@ def test_the_last_good_swap_file_is_gone_yet_still_restores(swap_engine, trained
     assert swap_engine.generate(questions, GREEDY).spec == reference
 
 
+def test_a_trainer_asks_its_engine_for_the_swap_folder_once(swap_engine, trained_head, monkeypatch):
+    """The folder is named by the engine's id, which an `LLM` keeps for its life."""
+    from vllm_plugin.weights.trainer import LLMWeights
+
+    asked, rpc = [], swap_engine.llm.collective_rpc
+
+    def recorded(method, *args, **kwargs):
+        asked.append(method)
+        return rpc(method, *args, **kwargs)
+
+    monkeypatch.setattr(swap_engine.llm, "collective_rpc", recorded)
+    weights = LLMWeights(swap_engine.llm)
+    for version in (40, 41):
+        weights.publish("draft", trained_head.export_state_dict(torch.float32), version)
+    assert asked.count("grpo_swap_folder") == 1
+
+
 def test_swap_with_engine_in_its_own_process(tiny_target, random_draft, trained_head, questions):
     engine = Engine(tiny_engine_config(tiny_target, random_draft, engine_process="separate"))
     try:

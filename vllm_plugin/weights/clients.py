@@ -1,8 +1,9 @@
 """The clients through which vLLM's weight-update lifecycle (`lifecycle`) reaches an engine,
 one per way of reaching it: vLLM's `VLLMWeightSyncClient` calls and what the plugin adds,
 the draft's start (vLLM's own clients cannot start a draft update), the abort of a load
-that failed on another rank, the end of a session a dead trainer left open and, for a trainer's swap, the engine's own
-swap folder (where it writes the files it names) and the prefix-cache reset after it.
+that failed on another rank, the end of a session a dead trainer left open and, for a
+trainer's swap, the engine's own swap folder (where it writes the files it names) and the
+prefix-cache reset after it.
 
 - `LLMClient`: an `LLM` in this process;
 - `HTTPClient`: a `vllm serve` with vLLM's RL routes (`VLLM_SERVER_DEV_MODE=1`);
@@ -29,6 +30,7 @@ class LLMClient:
 
     def __init__(self, llm):
         self.llm = llm
+        self._swap_folder: str | None = None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -52,7 +54,11 @@ class LLMClient:
         return merged_session_ends(self.llm.collective_rpc("grpo_end_stale_weight_update"))
 
     def swap_folder(self) -> str:
-        return agreed_folder(self.llm.collective_rpc("grpo_swap_folder"))
+        # Asked once: the folder is named by the engine's id, and an `LLM` keeps its engine
+        # for life (the other clients' servers may restart, as another engine, at one URL).
+        if self._swap_folder is None:
+            self._swap_folder = agreed_folder(self.llm.collective_rpc("grpo_swap_folder"))
+        return self._swap_folder
 
     def reset_prefix_cache(self) -> None:
         check_cache_reset(self.llm.reset_prefix_cache(reset_running_requests=True))

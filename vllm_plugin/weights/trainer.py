@@ -104,6 +104,7 @@ class LLMWeights:
 
     def __init__(self, llm):
         self.llm = llm
+        self._client = LLMClient(llm)  # one for both roles: it keeps the engine's swap folder
         self._senders: dict[str, ShmTrainerEngine] = {}  # role -> its trainer engine
 
     def publish(self, role: str, weights: dict, version: int, metadata: dict | None = None) -> dict:
@@ -122,7 +123,7 @@ class LLMWeights:
         sender = self._senders.get(role)
         if sender is None:
             sender = self._senders[role] = ShmTrainerEngine.trainer_init(
-                ShmTrainerInitInfo(rank=0, draft=role == "draft"), client=LLMClient(self.llm)
+                ShmTrainerInitInfo(rank=0, draft=role == "draft"), client=self._client
             )
         sender.source, sender.metadata = StateDictSource(weights), metadata
         write_s = sender.send_weights(version)
