@@ -303,18 +303,14 @@ def _tail_report(per: dict, r: dict) -> list[str]:
         *table(header, (row(n, per[n]) for n in ordered(per, CONFIGS))),
     ]
     rivals = [best_fixed, "static table", "paper rule", *VLLM_EXAMPLE_TABLES_NAMES]
+    rivals = [n for n in rivals if n in per]
+    best = f" (best fixed k: {best_fixed})" if best_fixed else ""
     for ours in ("ours", "sampled ours", "ours + group", "sampled ours + group"):
-        if ours in per:
-            lines += [
-                "",
-                f"{ours} vs "
-                + ", ".join(
-                    f"{n}: {per[n]['makespan_s'] / per[ours]['makespan_s']:.2f}x"
-                    for n in rivals
-                    if n in per
-                )
-                + f" in makespan (best fixed k: {best_fixed}).",
-            ]
+        if ours in per and rivals:  # none was run (a study of ours alone): nothing to say
+            ratios = ", ".join(
+                f"{n}: {per[n]['makespan_s'] / per[ours]['makespan_s']:.2f}x" for n in rivals
+            )
+            lines += ["", f"{ours} vs {ratios} in makespan{best}."]
     return lines
 
 

@@ -109,33 +109,27 @@ def test_notes_are_kept_and_flagged_once_when_the_results_change(studies):
     assert text.rstrip().endswith("<!-- /reading -->")
 
 
-def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixed_k(
-    tmp_path, monkeypatch
-):
+def _tail_run(makespan_s: float, tail_s: float, after_eos: float = 0, **more) -> dict:
+    """One configuration's row of the tail study, as rollout_throughput.py measures it."""
+    return {
+        "tokens_after_eos": after_eos,
+        **more,
+        "tokens_per_s": 10.0,
+        "wall_s": makespan_s,
+        "mal": 1.0,
+        "makespan_s": makespan_s,
+        "tail_s": tail_s,
+        # three rounds; the machine drifts between rounds, alike for every configuration
+        "makespan_s_runs": [makespan_s * drift for drift in (1.0, 1.3, 0.9)],
+        "others_cpu_share": [0.01, 0.02, None],
+    }
+
+
+def _tail_study(per: dict) -> dict:
+    """A result of rollout_throughput.py with only the tail shape run, its rows `per`."""
     from benchmarks import rollout_report as rt
 
-    def run(makespan_s: float, tail_s: float, after_eos: float = 0, **more) -> dict:
-        return {
-            "tokens_after_eos": after_eos,
-            **more,
-            "tokens_per_s": 10.0,
-            "wall_s": makespan_s,
-            "mal": 1.0,
-            "makespan_s": makespan_s,
-            "tail_s": tail_s,
-            # three rounds; the machine drifts between rounds, alike for every configuration
-            "makespan_s_runs": [makespan_s * drift for drift in (1.0, 1.3, 0.9)],
-            "others_cpu_share": [0.01, 0.02, None],
-        }
-
-    per = {
-        "no spec": run(100, 40),
-        "k=1": run(95, 30),
-        "sampled k=2": run(90, 25),
-        "static table": run(96, 31),
-        "ours": run(80, 20, after_eos=12, mal_before_eos=2.5),
-    }
-    result = {
+    return {
         "args": {"repeats": 1, "head": None, "study": "check", "tokens": 64},
         "hardware": "cpu",
         "k_max": 5,
@@ -147,6 +141,21 @@ def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixe
         "tail_shape": {"prompts": 8, "group": 8, "cap": 1024},
         "tail_timelines": {"no spec": [(0.0, 1.0), (0.0, 3.0)], "ours": [(0.0, 0.5), (0.1, 2.0)]},
     }
+
+
+def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixed_k(
+    tmp_path, monkeypatch
+):
+    from benchmarks import rollout_report as rt
+
+    per = {
+        "no spec": _tail_run(100, 40),
+        "k=1": _tail_run(95, 30),
+        "sampled k=2": _tail_run(90, 25),
+        "static table": _tail_run(96, 31),
+        "ours": _tail_run(80, 20, after_eos=12, mal_before_eos=2.5),
+    }
+    result = _tail_study(per)
     text = rt.report(result)
     rows = {
         line.split("|")[1].strip(): line.split("|")[2:-1]
@@ -171,6 +180,22 @@ def test_the_tail_table_reads_makespans_against_no_speculation_and_the_best_fixe
     monkeypatch.setattr(rt, "ASSETS", tmp_path)
     rt.plot(result)
     assert (tmp_path / "check_tail_b.png").stat().st_size > 0
+
+
+def test_the_tail_summary_names_only_the_rivals_that_were_run():
+    """A study of ours alone (docs/benchmarks/rollout_tail_no_profile.md) printed "ours vs  in
+    makespan (best fixed k: None)"."""
+    from benchmarks import rollout_report as rt
+
+    def summary(per: dict) -> list[str]:
+        lines = rt.report(_tail_study(per)).splitlines()
+        return [line for line in lines if line.startswith("ours vs")]
+
+    alone = {"no spec": _tail_run(100, 40), "ours": _tail_run(80, 20)}
+    assert summary(alone) == []
+    assert summary({**alone, "static table": _tail_run(96, 31)}) == [
+        "ours vs static table: 1.20x in makespan."
+    ]
 
 
 def test_only_names_configurations_that_hold_a_comma():
