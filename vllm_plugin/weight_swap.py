@@ -4,8 +4,9 @@ Loading is the `grpo_shm` weight-transfer engine's (vllm_plugin/weights/shm_tran
 driven through vLLM's RL API: `start_weight_update` (or `start_draft_weight_update`),
 `update_weights({"path", "version"})`, `finish_weight_update`. Weights travel as a
 safetensors file that the caller put in the engine's private swap folder
-(`grpo_swap_folder`, `weights.swap_folder`; files anywhere else are refused), so nothing is pickled tensor by tensor and the same call
-works with the engine in-process, in its own process or on several tensor-parallel ranks.
+(`grpo_swap_folder`, `weights.swap_folder`; files anywhere else are refused), so nothing is
+pickled tensor by tensor and the same call works with the engine in-process, in its own
+process or on several tensor-parallel ranks.
 Each rank opens the file first and keeps it open while it is the last good one: the caller
 may remove it at any time. What a rank holds per role is `weights.rank_weights.WeightSwaps`.
 

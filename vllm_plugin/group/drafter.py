@@ -1,18 +1,19 @@
 """Each step, which draft tokens to verify: the model draft's, or the group's text's.
 
-Plain Python, testable without vLLM; `patches/features/group_drafts_v0_32.py` calls it once per
-engine step with the batch's requests (prompt and output so far) and the drafts the
+Plain Python, testable without vLLM; `patches/features/group_drafts_v0_32.py` calls it once
+per engine step with the batch's requests (prompt and output so far) and the drafts the
 engine's own drafter made (EAGLE's k tokens per request, or none).
 
 Per request, the group's candidate comes from `GroupIndex` over the outputs of every
 request with the same prompt: its running siblings, and finished ones kept in the
 history (bounded in positions; a policy swap ages out the versions past
-`history_versions`, but not the sequences still running). Its confidence estimates each token's chance of acceptance; the
-model draft's comes from its measured per-position acceptance. A request gets the source
-with more expected accepted tokens. Group tokens cost no draft time, only verification,
-so they are priced one by one with the latency model: the most confident first, for as
-long as each raises the step's goodput (tokens per millisecond) - many when the step is
-memory-bound, only near-certain ones when it is compute-bound.
+`history_versions`, but not the sequences still running). Its confidence estimates each
+token's chance of acceptance; the model draft's comes from its measured per-position
+acceptance. A request gets the source with more expected accepted tokens. Group tokens cost
+no draft time, only verification, so they are priced one by one with the latency model: the
+most confident first, for as long as each raises the step's goodput (tokens per
+millisecond) - many when the step is memory-bound, only near-certain ones when it is
+compute-bound.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class ConfidenceCalibration:
 
     The index's raw confidence is overconfident where evidence is thin (a context seen once
     scores 0.5; measured acceptance 0.16-0.47 by match length, docs/benchmarks/
-    group_drafts.md), so each token's chance is learnt from outcomes, starting from raw squared (what
-    those measurements follow) and fading old evidence as the policy moves."""
+    group_drafts.md), so each token's chance is learnt from outcomes, starting from raw
+    squared (what those measurements follow) and fading old evidence as the policy moves."""
 
     def __init__(self, max_match: int, k_max: int, prior_weight: float = 4.0, decay: float = 0.999):
         shape = (max_match + 1, k_max, 11)
