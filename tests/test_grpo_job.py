@@ -219,6 +219,12 @@ def test_sigkill_mid_checkpoint_then_resume(tiny_target, tiny_draft, job_profile
         "rollout.draft_sampling=probabilistic",  # sampled drafts, through a resume
         "ray.rollout_workers=2",  # and a scaled-out job
         "ray.policy_workers=2",
+        # priced on the profile alone: this test asks of the controller only that it
+        # drafts where the profile says drafting pays. An engine of CI's run on 2026-12-06
+        # verified no accepted draft in iteration 4 (12 steps or so; k not recorded), where
+        # every run here drafts k = 1 at acceptance ~0.9: the likeliest cause is prices
+        # learnt from the tiny model's ~10 ms steps timed beside another test.
+        "rollout.controller.learn_costs=false",
     ]
     # The job runs in a child process that dies (SIGKILL) in the middle of its third
     # checkpoint: after the roles' state is written, before it is renamed into place.
@@ -276,8 +282,9 @@ def test_sigkill_mid_checkpoint_then_resume(tiny_target, tiny_draft, job_profile
     for record in records:
         assert len(record["engines"]) == 2
         for engine in record["engines"]:
-            assert engine["mean_acceptance_length"] > 1.0, (record["iteration"], engine)
-            assert any(int(k) > 0 for k in engine["k_steps"]), (record["iteration"], engine)
+            said = (record["iteration"], engine["mean_acceptance_length"], engine["k_steps"])
+            assert engine["mean_acceptance_length"] > 1.0, said
+            assert any(int(k) > 0 for k in engine["k_steps"]), said
     final = torch.load(out / "checkpoints" / "iter_000004" / "policy_state.pt", weights_only=True)
     steps = sum(r["policy_steps"] for r in records)
     assert final["version"] == steps
