@@ -25,6 +25,7 @@ from grpo_specdec.bench.measure import (
     busy_note,
     require_quiet,
 )
+from grpo_specdec.checkpoint_pointer import latest_checkpoint
 from vllm_plugin.settings import PROFILE_FORMAT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,8 +279,6 @@ def load_json(path: Path) -> dict:
 def trained_policy(iterations: int = 12, lr: float = 1e-4) -> tuple[str, str]:
     """(policy, draft head) after `iterations` of the project's own GRPO job on SmolLM2 at
     learning rate `lr`, with the head learning online; trained once, then reused."""
-    from grpo_specdec.job.checkpoints import latest_checkpoint
-
     out = default_dir().parent / "runs" / f"smollm2-arith-lr{lr:g}-it{iterations}"
     ckpt = latest_checkpoint(out / "checkpoints")
     if ckpt is None or int(ckpt.name.rsplit("_", 1)[1]) < iterations:

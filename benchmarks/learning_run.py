@@ -48,6 +48,7 @@ from benchmarks.common import (
     warmed,
     write_study,
 )
+from grpo_specdec.checkpoint_pointer import latest_checkpoint
 
 CONFIG = ROOT / "configs" / "smollm2_arith.yaml"
 STUDY = "learning_run"  # --study: docs/benchmarks/STUDY.md, docs/assets/STUDY.json, .png
@@ -80,8 +81,6 @@ CONFIGS = (
 
 
 def train(args, data: dict) -> None:
-    from grpo_specdec.job.checkpoints import latest_checkpoint
-
     out = Path(args.out)
     ckpt = latest_checkpoint(out / "checkpoints") if (out / "checkpoints").is_dir() else None
     start = time.time()

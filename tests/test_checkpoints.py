@@ -8,10 +8,9 @@ import os
 
 import pytest
 
+from grpo_specdec.checkpoint_pointer import latest_checkpoint, point_latest_at
 from grpo_specdec.job.checkpoints import (
     Checkpointer,
-    latest_checkpoint,
-    point_latest_at,
     replace_dir,
     resume_timeline,
     staging_name,

@@ -15,15 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from grpo_specdec.draft.capture import Sequence, capture_hidden, forward_with_hidden
 from grpo_specdec.draft.formats import HeadFormatError, import_head
-from grpo_specdec.draft.head import (
-    DraftStep,
-    Eagle3Head,
-    aux_layers_of,
-    eagle3_aux_layers,
-    load_head,
-    new_head,
-    unrolled_attention,
-)
+from grpo_specdec.draft.head import aux_layers_of, eagle3_aux_layers, load_head, new_head
+from grpo_specdec.draft.head_model import DraftStep, Eagle3Head, unrolled_attention
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.engine import Engine, SamplingSettings
 from tests.conftest import TINY_JOB_CONFIG, job_records, run_cli, tiny_assets, tiny_engine_config

@@ -1,7 +1,6 @@
 """Making and loading EAGLE draft heads: a new head for a target (`new_head`, its draft
 vocabulary and, for EAGLE-3, the target layers it reads), and a saved head read back in
-the class its config names (`load_head`). The heads themselves are in `head_model.py`,
-and import from here as well (`from grpo_specdec.draft.head import DraftHead`)."""
+the class its config names (`load_head`). The heads themselves are in `head_model.py`."""
 
 from __future__ import annotations
 
@@ -14,29 +13,11 @@ from torch import nn
 from grpo_specdec.draft.head_model import (
     WEIGHTS_FILE,
     DraftHead,
-    DraftStep,
     Eagle3Head,
     EagleHead,
     ReducedVocabHead,
-    unrolled_attention,
 )
 from grpo_specdec.modelcheck import check_draft_matches_target, read_config
-
-__all__ = [
-    "WEIGHTS_FILE",
-    "DraftHead",
-    "DraftStep",
-    "Eagle3Head",
-    "EagleHead",
-    "ReducedVocabHead",
-    "aux_layers_of",
-    "draft_vocabulary",
-    "eagle3_aux_layers",
-    "load_head",
-    "new_head",
-    "target_embeddings",
-    "unrolled_attention",
-]
 
 
 def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:

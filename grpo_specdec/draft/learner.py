@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grpo_specdec.draft.capture import Sequence
-from grpo_specdec.draft.head import DraftHead, eagle3_aux_layers, load_head, new_head
+from grpo_specdec.draft.head import eagle3_aux_layers, load_head, new_head
+from grpo_specdec.draft.head_model import DraftHead
 from grpo_specdec.draft.trainer import DraftTrainConfig, DraftTrainer
 from grpo_specdec.learner_state import load_learner_state
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo_specdec.draft.capture import Sequence
-from grpo_specdec.draft.head import DraftHead
+from grpo_specdec.draft.head_model import DraftHead
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from grpo_specdec.config import StrictModel
 from grpo_specdec.draft.capture import Sequence
-from grpo_specdec.draft.head import DraftHead
+from grpo_specdec.draft.head_model import DraftHead
 from grpo_specdec.draft.loss import eagle_loss, make_batch
 from grpo_specdec.learner_state import configured_settings_kept
 

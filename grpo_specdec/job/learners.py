@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from grpo_specdec.checkpoint_pointer import latest_checkpoint
 from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
 from grpo_specdec.draft.learner import DraftData, DraftLearner
 from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import grpo_loss, loss_stat_names
 from grpo_specdec.job import sharding
-from grpo_specdec.job.checkpoints import latest_checkpoint
 from grpo_specdec.job.config import PolicySettings
 from grpo_specdec.job.precision import autocast_dtype
 from grpo_specdec.learner_state import load_learner_state
