@@ -211,7 +211,8 @@ def test_job_runs_syncs_weights_and_survives_a_dead_draft_learner(
 
 
 def test_sigkill_mid_checkpoint_then_resume(tiny_target, tiny_draft, job_profile, tmp_path):
-    from grpo_specdec.job.checkpoints import check_checkpoint, latest_checkpoint
+    from grpo_specdec.checkpoint_pointer import latest_checkpoint
+    from grpo_specdec.job.checkpoints import check_checkpoint
 
     out = tmp_path / "run"
     overrides = [
@@ -360,8 +361,9 @@ def test_resume_from_an_older_checkpoint_makes_it_the_only_timeline(
     import ray
     from safetensors.torch import load_file
 
+    from grpo_specdec.checkpoint_pointer import latest_checkpoint
     from grpo_specdec.job import run
-    from grpo_specdec.job.checkpoints import check_checkpoint, latest_checkpoint, read_state
+    from grpo_specdec.job.checkpoints import check_checkpoint, read_state
     from grpo_specdec.job.run import Job
 
     out = tmp_path / "run"
