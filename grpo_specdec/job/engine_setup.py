@@ -104,7 +104,7 @@ def engine_config(
             "controller": {**r.controller.model_dump(), "profile": profile},
             # Each engine would judge and roll back its draft alone, and engines that
             # disagree on the draft's version stop the job: with several, the engines' watch
-            # is off and the driver judges their drafts together (Job._judge_drafts).
+            # is off and the driver judges their drafts together (job/draft_guard.py).
             "draft_watch": cfg.ray.rollout_workers == 1,
         }
     return {

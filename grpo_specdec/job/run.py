@@ -7,9 +7,10 @@ side -> new policy and draft weights hot-swapped into every running engine -> me
 checkpoint every N iterations and at the end.
 
 The pieces: `roles.Roles` (the actors), `weight_sync` (all-or-none swaps),
-`checkpoints.Checkpointer`, `metrics.MetricsSink`, `batches` (the data cursor) and
-`logs` (vLLM's messages to the run's vllm.log); the end-of-run comparison (compare_at_end)
-is the benchmark library's, handed in as a `RolloutComparison`.
+`draft_guard.DraftGuard` (draft rollbacks and declines), `checkpoints.Checkpointer`,
+`metrics.MetricsSink`, `batches` (the data cursor) and `logs` (vLLM's messages to the run's
+vllm.log); the end-of-run comparison (compare_at_end) is the benchmark library's, handed in
+as a `RolloutComparison`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ import ray
 import torch
 
 from grpo_specdec.draft.formats import ready_head
-from grpo_specdec.draft_watch import DraftWatch, Head, SlowDecline
 from grpo_specdec.evaluate import arithmetic_eval_set, evaluate, report_line
 from grpo_specdec.grpo.core import first_informative, group_advantages
 from grpo_specdec.job.actors import start_ray
 from grpo_specdec.job.batches import Batch, batch_at, prompt_source
 from grpo_specdec.job.checkpoints import Checkpointer, read_state
 from grpo_specdec.job.config import CompareSettings, RewardSettings, TrainConfig
+from grpo_specdec.job.draft_guard import DraftGuard
 from grpo_specdec.job.engine_setup import check_context_length, serving_dtype
 from grpo_specdec.job.learners import PolicyBatch
 from grpo_specdec.job.logs import VllmLog, check_private
@@ -136,12 +137,7 @@ class Job:
             self.iteration, self.cursor = 0, 0
             random.seed(self.cfg.seed)
         self.draft_version = self.roles.start(ckpt)  # the newest draft version issued
-        self.decline = SlowDecline()
-        # With several engines each one's own watch is off (each would judge its share of the
-        # drafts and go back alone): the driver judges their drafts together.
-        served = self.roles.weights.served.get("draft")
-        several = len(self.roles.rollouts) > 1
-        self.draft_judge = DraftWatch(Head(*served)) if served and several else None
+        self.draft_guard = DraftGuard(self.roles, self.log)
         truncate_records(self.out / "metrics.jsonl", self.iteration)
         truncate_records(self.out / "eval.jsonl", self.iteration)
 
@@ -158,7 +154,7 @@ class Job:
         seconds, lap = {}, _stopwatch()
         rolled = self._roll_out()
         seconds["generation"] = lap()
-        watched = self._watch_drafts(rolled.rollout)
+        watched = self.draft_guard.rolled_out(rolled.rollout, self.iteration + 1)
 
         advantages, informative = group_advantages(rolled.rewards)
         informative = first_informative(informative, self.cfg.rollout.prompts_per_iteration)
@@ -174,8 +170,7 @@ class Job:
         seconds["draft_wait"] = lap()
 
         published = self.roles.publish(policy, draft, self.iteration + 1)
-        if self.draft_judge is not None and "draft" in published.sync:
-            self.draft_judge.swapped(Head(*self.roles.weights.served["draft"]))
+        self.draft_guard.published(published)
         seconds["sync"] = lap()
 
         rounds = IterationRounds(
@@ -185,51 +180,6 @@ class Job:
         self.cursor += len(rolled.examples)
         self.iteration += 1
         return iteration_record(self.iteration, rounds) | {"gen_batches": batches} | watched
-
-    def _watch_drafts(self, rollout: Rollout) -> dict:
-        """The engine's draft rollbacks reach the draft learner, which goes back with it (or
-        it would train on from the collapsed head and publish its descendants); a slow
-        decline of acceptance, which no rollback catches, is said. -> record fields."""
-        running = self.iteration + 1
-        if self.draft_judge is not None:
-            self._judge_drafts(rollout, running)
-        for rollback in rollout.draft_rollbacks:
-            returned = self.roles.return_draft_to(rollback.to)
-            self.log(
-                f"iteration {running}: {rollback.describe()}; the draft learner "
-                + (
-                    f"learns on from version {rollback.to}"
-                    if returned
-                    else f"no longer holds version {rollback.to} and learns on from its newest"
-                )
-            )
-        first = rollout.spec.get("per_position_acceptance") or []
-        decline = self.decline.observe(first[0]) if first else None
-        if decline is None:
-            return {}
-        self.log(f"iteration {running}: {decline}")
-        return {"draft_decline": decline}
-
-    def _judge_drafts(self, rollout: Rollout, running: int) -> None:
-        """The engines' drafts of this rollout, pooled, judge the head they served; a head
-        that collapsed is replaced in every engine by the one before it (the rollback joins
-        the rollout's, which the learner then follows)."""
-        judge = self.draft_judge
-        spec = rollout.spec
-        rollback = judge.observe(spec.get("draft_tokens", 0), spec.get("accepted_tokens", 0))
-        if rollback is None:
-            return
-        head = judge.fallback
-        _, why = self.roles.weights.draft(head.state_dict(), head.version, head.metadata, running)
-        if why is not None:
-            self.log(
-                f"iteration {running}: draft head version {rollback.version} collapsed "
-                f"({rollback.rate:.3f} of its drafts accepted against {rollback.previous_rate:.3f}), "
-                f"and the engines refused version {rollback.to} back ({why}): they serve it still"
-            )
-            return
-        judge.rolled_back()
-        rollout.draft_rollbacks.append(rollback)
 
     def _roll_out(self) -> RolloutRound:
         """This iteration's batch rolled out and scored, and with rollout.max_gen_batches > 1
