@@ -1,9 +1,10 @@
 """The GRPO job's two learners as plain classes; `actors.py` wraps them for Ray (the
 third role, the engine, is `rollout_worker.py`).
 
-PolicyLearner owns the HF policy and its optimiser; its forward over a rollout yields
-both the log-probs GRPO needs and the hidden states the draft learns from. The draft
-learner is draft/learner.py's; JobDraftLearner adds the job's resume.
+PolicyLearner owns the HF policy and its optimiser (their part of a checkpoint is
+policy_checkpoint.py's); its forward over a rollout yields both the log-probs GRPO needs
+and the hidden states the draft learns from. The draft learner is draft/learner.py's;
+JobDraftLearner adds the job's resume.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from grpo_specdec.checkpoint_pointer import latest_checkpoint
 from grpo_specdec.draft.capture import Sequence, forward_with_hidden, pad_batch
@@ -21,8 +22,8 @@ from grpo_specdec.draft.trainer import DraftTrainConfig
 from grpo_specdec.grpo.core import grpo_loss, loss_stat_names
 from grpo_specdec.job import sharding
 from grpo_specdec.job.config import PolicySettings
+from grpo_specdec.job.policy_checkpoint import load_policy, save_policy, untied
 from grpo_specdec.job.precision import autocast_dtype
-from grpo_specdec.learner_state import load_learner_state
 
 
 @dataclass
@@ -309,46 +310,20 @@ class PolicyLearner:
         parameter is gathered from every rank, one at a time, so rank 0 never holds the
         whole model twice)."""
         weights = {}
-        for name, value in self._untied(self.model.state_dict()).items():
+        for name, value in untied(self.model, self.model.state_dict()).items():
             whole = sharding.full_tensor(value.detach())
             if self.rank == 0:
                 weights[name] = whole.to(getattr(torch, dtype)).cpu().contiguous()
         return weights if self.rank == 0 else None
 
     def save(self, path: Path) -> None:
-        """Rank 0 writes the whole model and optimiser state (every rank must be asked)."""
-        weights, opt_state = sharding.full_state(self.model, self.opt)
-        if self.rank != 0:
-            return
-        self.model.save_pretrained(path / "policy", state_dict=self._untied(weights))
-        # a checkpoint's policy folder is a complete model: the engine restarts from it
-        AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(path / "policy")
-        torch.save(
-            {"opt": opt_state, "version": self.version, "rng": torch.get_rng_state()},
-            path / "policy_state.pt",
-        )
+        """The policy's part of checkpoint `path` (policy_checkpoint.py): rank 0 writes the
+        whole model and optimiser state, and every rank must be asked."""
+        save_policy(path, self.model, self.opt, self.rank, self.version, self.model_dir)
 
     def load(self, path: Path) -> None:
         """Continue from a checkpoint folder written by `save`, by any number of ranks."""
-        reads = self.rank == 0  # under ranks, rank 0 reads the files and scatters them
-        state = load_learner_state(path / "policy_state.pt", mmap=not reads)
-        weights = (
-            AutoModelForCausalLM.from_pretrained(
-                path / "policy", dtype=self.model.dtype
-            ).state_dict()
-            if reads
-            else {}
-        )
-        sharding.load_full_state(self.model, self.opt, weights, state["opt"] if reads else {})
-        self.version = state["version"]
-        torch.set_rng_state(state["rng"])
-
-    def _untied(self, sd: dict) -> dict:
-        """`sd` without the lm_head a tied model shares with its embedding (a gathered
-        state dict holds it as a tensor of its own, which HF would then write)."""
-        if self.model.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        return sd
+        self.version = load_policy(path, self.model, self.opt, self.rank)
 
     def status(self) -> dict:
         return {"version": self.version, "rank": self.rank, "world": self.world}
