@@ -1,9 +1,10 @@
 """A vLLM engine started from one validated config (grpo_specdec/engine_config.py),
 generating G samples per prompt.
 
-The wrapper is thin on purpose: it owns the settings vLLM needs on this project's paths
-(speculative config, worker extension, scheduler), tokenises prompts the same way for
-every caller, and turns vLLM's cumulative speculative counters into per-call metrics.
+The wrapper is thin on purpose: it starts vLLM with the settings this project's paths need
+(engine_args.py: speculative config, worker extension, scheduler), tokenises prompts the
+same way for every caller, and turns vLLM's cumulative speculative counters into per-call
+metrics.
 """
 
 from __future__ import annotations
@@ -17,16 +18,12 @@ from pathlib import Path
 
 import vllm_plugin
 from grpo_specdec.draft_watch import DraftWatch, Head, Rollback, starting_head
+from grpo_specdec.engine_args import engine_args
 from grpo_specdec.engine_config import EngineConfig, SamplingSettings
-from grpo_specdec.modelcheck import draft_method
 from grpo_specdec.tasks.datasets import ChatPrompt
 from grpo_specdec.vllm_compat import in_process_scheduler, reread_environment, stop_engine
 from vllm_plugin import patches
-from vllm_plugin.k_table import every_k_table
-from vllm_plugin.patches import runner_name
-from vllm_plugin.patches.features import group_drafts_v0_32
 from vllm_plugin.patches.fixes import cpu_seed_rewind_v0_32
-from vllm_plugin.settings import engine_dtype
 from vllm_plugin.weights.trainer import LLMWeights
 
 logger = logging.getLogger(__name__)
@@ -144,9 +141,6 @@ class GenerationResult:
 class Engine:
     """A running vLLM engine. Construct once; generate many times."""
 
-    WORKER_EXTENSION = "vllm_plugin.weight_swap.WeightSwapExtension"
-    SCHEDULER = "vllm_plugin.scheduler.ConcurrencyAwareScheduler"
-
     def __init__(self, cfg: EngineConfig, **extra_llm_kwargs):
         self.cfg = cfg
         # The engine-core process mode is read from the environment when the engine
@@ -157,60 +151,7 @@ class Engine:
         )
         from vllm import LLM
 
-        kwargs = dict(
-            model=cfg.model,
-            dtype=engine_dtype(cfg.model, cfg.dtype),
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            seed=cfg.seed,
-            enforce_eager=cfg.enforce_eager,
-            disable_log_stats=False,
-            worker_extension_cls=self.WORKER_EXTENSION,
-            weight_transfer_config=LLMWeights.TRANSFER_CONFIG,
-        )
-        if cfg.kv_cache_gib is not None:
-            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * (1 << 30))
-        if cfg.speculative is not None:
-            kwargs["per_request_spec_decode_metrics"] = "detailed"
-        spec = cfg.speculative
-        if spec is not None:
-            kwargs["speculative_config"] = (
-                {"method": draft_method(spec.draft), "model": spec.draft}
-                if spec.draft
-                # No draft model: vLLM's model-free `ngram` proposer hosts the group drafts.
-                else {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 1}
-            )
-            kwargs["speculative_config"]["num_speculative_tokens"] = spec.k
-            kwargs["speculative_config"]["draft_sample_method"] = spec.draft_sampling
-            table = spec.batch_size_table
-            # The controller and the group drafter live in the engine core's process
-            # (this one or a child); their settings travel in the engine's config.
-            kwargs["additional_config"] = spec.controller.as_additional_config()
-            if spec.controller.group.enabled:
-                if not vllm_plugin.applied(group_drafts_v0_32):
-                    raise ValueError(
-                        "speculative.controller.group.enabled: group drafts are a patch of "
-                        "vLLM 0.32's Model Runner V1, not applied in this process (Model "
-                        f"Runner {runner_name()}: VLLM_USE_V2_MODEL_RUNNER=0 runs V1, with "
-                        "PIECEWISE CUDA graphs; GRPO_SPECDEC_NO_PATCHES=1 turns the patches "
-                        "off)"
-                    )
-                # vLLM's default for EAGLE on GPU, async scheduling, feeds the drafter's own
-                # drafts to the next step and never reads the group's (the patch refuses it).
-                kwargs["async_scheduling"] = False
-            if spec.concurrency_aware:
-                kwargs["scheduler_cls"] = self.SCHEDULER
-                # Which k a step may run; the controller chooses among them (k_table.py).
-                table = every_k_table(spec.k, cfg.max_num_seqs)
-            if table:
-                kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = table
-        extra_llm_kwargs = dict(extra_llm_kwargs)
-        kwargs["additional_config"] = {
-            **kwargs.get("additional_config", {}),
-            **extra_llm_kwargs.pop("additional_config", {}),
-        }
-        kwargs.update(extra_llm_kwargs)
-        self.llm = LLM(**kwargs)
+        self.llm = LLM(**engine_args(cfg, extra_llm_kwargs))
         self._weights = LLMWeights(self.llm)  # what its weights are published and read through
         if cfg.engine_process == "in_process":
             _LIVE_IN_PROCESS.add(self)
@@ -221,6 +162,7 @@ class Engine:
         # Which runner vLLM gave this engine, and so which of the process's patches act in it.
         self.runner = patches.engine_runner(vllm_config)
         self.patches = patches.acting(vllm_plugin.PATCHED, self.runner)
+        spec = cfg.speculative
         if spec is not None:
             self._check_runner(spec)
         self.draft_watch = (
