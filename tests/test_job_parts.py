@@ -605,7 +605,7 @@ def test_tensorboard_shows_each_iteration_once_after_a_restart_and_a_resume(tmp_
 
 
 def test_a_resumed_job_publishes_in_its_engines_start_folder_s_dtype_and_serves_the_base_s(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
     """A resumed job's engine starts from a checkpoint, stored in float32, and checks every
     update against it: the learners published in the base's bfloat16, and the engine refused
@@ -615,7 +615,9 @@ def test_a_resumed_job_publishes_in_its_engines_start_folder_s_dtype_and_serves_
 
     from grpo_specdec.job.config import TrainConfig
     from grpo_specdec.job.engine_setup import engine_config, serving_dtype, stored_dtype
+    from vllm_plugin import settings
 
+    monkeypatch.setattr(settings, "cpu_has_bf16", lambda: True)  # as where it was found
     base, checkpoint = tmp_path / "base", tmp_path / "iter_000015"
     for folder, dtype in ((base, torch.bfloat16), (checkpoint, torch.float32)):
         folder.mkdir()
@@ -626,3 +628,46 @@ def test_a_resumed_job_publishes_in_its_engines_start_folder_s_dtype_and_serves_
     assert engine_config(cfg, str(checkpoint), None, None, dtype)["dtype"] == "bfloat16"
     cfg.model.engine_dtype = "float32"
     assert serving_dtype(cfg, str(base)) == "float32"
+
+
+def test_on_a_cpu_without_bf16_the_job_serves_and_profiles_a_bf16_base_in_float32(
+    tiny_target, tiny_draft, tmp_path, monkeypatch
+):
+    """On an AMD EPYC without bfloat16 instructions `make demo` profiled SmolLM2 (stored in
+    bfloat16) on `engine_dtype: auto` in float32, as `engine_dtype` resolves auto there, while
+    the job served the stored bfloat16 (emulated, many times slower) and its engine refused the
+    profile 22 minutes in ("dtype: profiled float32, this engine bfloat16"). Both now take
+    the dtype from `serving_dtype`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from grpo_specdec.job import engine_setup
+    from grpo_specdec.job.config import TrainConfig
+    from vllm_plugin import settings
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_target, base)
+    for f in base.glob("*.safetensors"):
+        save_file({n: t.to(torch.bfloat16) for n, t in load_file(f).items()}, f)
+    cfg = TrainConfig.model_validate(
+        {"model": {"policy": str(base)}, "rollout": {"speculation": "concurrency_aware"}}
+    )
+    asked = []
+    monkeypatch.setattr(settings, "profile_store", lambda: tmp_path / "profiles")
+    monkeypatch.setattr(
+        "grpo_specdec.profile.run_profile", lambda c, path, log: asked.append(c.dtype)
+    )
+    monkeypatch.setattr(engine_setup, "read_profile", lambda path: {})
+    for has_bf16, served in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(settings, "cpu_has_bf16", lambda has_bf16=has_bf16: has_bf16)
+        assert engine_setup.serving_dtype(cfg, str(base)) == served
+        path = engine_setup.latency_profile(cfg, str(base), tiny_draft, print)
+        assert asked[-1] == served
+        key = settings.profile_key(str(base), served, tiny_draft, cfg.rollout.draft_sampling)
+        assert path == str(settings.store_path(key))
+    # The job itself measures none (Roles: measure=False): it starts without one.
+    said = []
+    monkeypatch.setattr(settings, "profile_store", lambda: tmp_path / "empty")
+    assert engine_setup.latency_profile(cfg, str(base), tiny_draft, said.append, False) is None
+    assert len(asked) == 2 and "learns what drafting costs" in said[0]

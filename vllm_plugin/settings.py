@@ -198,6 +198,13 @@ def cpu_has_bf16() -> bool:
     return False
 
 
+def bf16_emulated() -> bool:
+    """Whether vLLM would emulate bfloat16 in this process: on a CPU without its instructions."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and not cpu_has_bf16()
+
+
 def engine_dtype(model: str, dtype) -> str:
     """The dtype an engine runs `model` in when asked for `dtype` (a name or a torch dtype).
     For "auto" vLLM weighs the checkpoint's dtype against the platform's (x86 CPUs run
@@ -207,10 +214,9 @@ def engine_dtype(model: str, dtype) -> str:
     if str(dtype) == "auto":
         import torch
         from vllm.config import ModelConfig
-        from vllm.platforms import current_platform
 
         dtype = ModelConfig(model=model, dtype="auto").dtype
-        if current_platform.is_cpu() and not cpu_has_bf16() and dtype != torch.float32:
+        if bf16_emulated() and dtype != torch.float32:
             dtype = torch.float32
     return str(dtype).removeprefix("torch.")
 

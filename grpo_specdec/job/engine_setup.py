@@ -8,7 +8,7 @@ from pathlib import Path
 
 from grpo_specdec.job.config import TrainConfig
 from grpo_specdec.modelcheck import resolve_max_model_len
-from vllm_plugin.settings import profile_key, read_profile, store_path
+from vllm_plugin.settings import bf16_emulated, profile_key, read_profile, store_path
 from vllm_plugin.weights.manifest import read_manifest
 
 
@@ -37,11 +37,15 @@ def profiled_batch_sizes(max_seqs: int) -> list[int]:
     return [b for b in default if b < max_seqs] + [max_seqs]
 
 
-def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> str | None:
+def latency_profile(
+    cfg: TrainConfig, policy: str, draft: str | None, log, measure: bool = True
+) -> str | None:
     """The profile the controller reads: the configured one, or where a concurrency-aware
-    rollout needs one, this model's on this hardware from the profile store, measured
-    first if it is missing. Named explicitly even then: after a resume the engine serves
-    a checkpoint folder, not the base model the store knows it by."""
+    rollout needs one, this model's on this hardware from the profile store; a missing one
+    is measured first where `measure` says so, else left out. Named explicitly even then:
+    after a resume the engine serves a checkpoint folder, not the base model the store knows
+    it by. Timed in the dtype the job's engines serve (`serving_dtype`), which the engines
+    check the profile against."""
     r = cfg.rollout
     if r.speculation != "concurrency_aware" or r.controller.policy == "fixed":
         return r.controller.profile
@@ -50,7 +54,16 @@ def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> st
         return r.controller.profile
     from grpo_specdec.profile import ProfileConfig, run_profile
 
-    path = store_path(profile_key(policy, cfg.model.engine_dtype, draft, r.draft_sampling))
+    dtype = serving_dtype(cfg, policy)
+    path = store_path(profile_key(policy, dtype, draft, r.draft_sampling))
+    if not path.is_file() and not measure:
+        log(
+            f"no latency profile for {policy} on this hardware: the controller starts at k = 0 "
+            "and learns what drafting costs from the engine's own steps (`grpo-specdec profile "
+            f"--model {policy} --draft {draft} --dtype {dtype} --draft-sampling "
+            f"{r.draft_sampling} --out profile.json` stores one to start from)"
+        )
+        return None
     if not path.is_file():
         log(f"no latency profile for {policy} on this hardware yet: profiling it first")
         run_profile(
@@ -58,7 +71,7 @@ def latency_profile(cfg: TrainConfig, policy: str, draft: str | None, log) -> st
                 model=policy,
                 draft=draft,
                 draft_sampling=r.draft_sampling,
-                dtype=cfg.model.engine_dtype,
+                dtype=dtype,
                 k_max=r.k,
                 # B up to what the job's engine holds: a larger B is priced from the fit.
                 batch_sizes=profiled_batch_sizes(max_num_seqs(cfg)),
@@ -81,10 +94,16 @@ def serving_dtype(cfg: TrainConfig, base_policy: str) -> str:
     """The dtype the job's engines serve: `model.engine_dtype`, where it says auto the base
     policy's stored dtype, whatever folder an engine starts from (a checkpoint stores
     float32, the optimiser's: an engine started from one would otherwise serve what the
-    run's first engine did not)."""
+    run's first engine did not); but float32 for a bfloat16 base on a CPU without bfloat16
+    instructions, where vLLM would emulate bfloat16 at many times a step's cost. The
+    learners publish in the folder's stored dtype either way; an engine converts an update
+    to its own as it loads it."""
     if cfg.model.engine_dtype != "auto":
         return cfg.model.engine_dtype
-    return stored_dtype(base_policy)
+    stored = stored_dtype(base_policy)
+    if stored == "bfloat16" and bf16_emulated():
+        return "float32"
+    return stored
 
 
 def engine_config(

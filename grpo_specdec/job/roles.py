@@ -97,7 +97,11 @@ class Roles:
             )
         if ckpt is not None:
             self.wait("a checkpoint load", [p.load.remote(ckpt) for p in self.policies])
-        self.profile = self.profile or latency_profile(cfg, self.base_policy, draft_dir, self.log)
+        # A missing profile is not measured here: it would take most of a short run on a CPU
+        # (14.5 min for SmolLM2 on a 2-core EPYC), and the controller learns the prices itself.
+        self.profile = self.profile or latency_profile(
+            cfg, self.base_policy, draft_dir, self.log, measure=False
+        )
         self.engine_cfg = EngineConfig.model_validate(
             engine_config(cfg, policy_dir, draft_dir, self.profile, self.engine_dtype)
         )
