@@ -671,3 +671,35 @@ def test_on_a_cpu_without_bf16_the_job_serves_and_profiles_a_bf16_base_in_float3
     monkeypatch.setattr(settings, "profile_store", lambda: tmp_path / "empty")
     assert engine_setup.latency_profile(cfg, str(base), tiny_draft, said.append, False) is None
     assert len(asked) == 2 and "learns what drafting costs" in said[0]
+
+
+def test_a_float32_engine_starts_from_a_float32_copy_of_a_bfloat16_base(tiny_target, tmp_path):
+    """The engines check updates against their start folder's dtypes: from a bfloat16 folder a
+    float32 engine was sent the learners' weights rounded to bfloat16. A fresh run whose
+    engines serve float32 from a bfloat16 base starts them from a float32 copy, written once;
+    where the dtypes agree it starts them from the base itself."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from grpo_specdec.job.engine_setup import engine_start_folder, stored_dtype
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_target, base)
+    for f in base.glob("*.safetensors"):
+        save_file({n: t.to(torch.bfloat16) for n, t in load_file(f).items()}, f)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert engine_start_folder(str(base), "bfloat16", run) == str(base)
+    folder = run / "engine_policy"
+    assert engine_start_folder(str(base), "float32", run) == str(folder)
+    assert folder.parent == run and stored_dtype(str(folder)) == "float32"
+    assert sorted(f.name for f in folder.iterdir()) == sorted(f.name for f in base.iterdir())
+    for f in base.glob("*.safetensors"):
+        narrow, wide = load_file(f), load_file(folder / f.name)
+        assert narrow.keys() == wide.keys()
+        assert all(torch.equal(narrow[n].float(), wide[n]) for n in narrow)
+    written = (folder / "config.json").stat().st_mtime_ns
+    assert engine_start_folder(str(base), "float32", run) == str(folder)
+    assert (folder / "config.json").stat().st_mtime_ns == written
+    assert engine_start_folder(str(folder), "float32", run) == str(folder)  # stored float32

@@ -90,6 +90,36 @@ def stored_dtype(model_dir: str) -> str:
     return str(next(iter(read_manifest(model_dir).values()))[1]).removeprefix("torch.")
 
 
+def engine_start_folder(base_policy: str, dtype: str, out: Path) -> str:
+    """The folder a fresh run's engines start from: the base policy's, or where they serve
+    float32 from a base stored narrower (a bfloat16 base on a CPU without bfloat16), a float32
+    copy of it in the run's folder, written once. An engine checks every update against its
+    start folder's dtypes, so the learners publish in them: from the bfloat16 folder the
+    float32 engine served the learners' weights rounded to bfloat16, a policy behind theirs
+    (at the end of `make demo` it answered 47% longer than its own checkpoint served in
+    float32, which the end-of-run comparison's engine without speculation serves)."""
+    if dtype != "float32" or stored_dtype(base_policy) == "float32":
+        return base_policy
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = out / "engine_policy"
+    if folder.is_dir():
+        return str(folder)
+    tmp = out / ".engine_policy.tmp"  # renamed whole: a crash leaves no half-written folder
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in Path(base_policy).iterdir():
+        if f.suffix == ".safetensors":
+            wide = {n: t.float() if t.is_floating_point() else t for n, t in load_file(f).items()}
+            save_file(wide, tmp / f.name, metadata={"format": "pt"})
+        elif f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(folder)
+    return str(folder)
+
+
 def serving_dtype(cfg: TrainConfig, base_policy: str) -> str:
     """The dtype the job's engines serve: `model.engine_dtype`, where it says auto the base
     policy's stored dtype, whatever folder an engine starts from (a checkpoint stores

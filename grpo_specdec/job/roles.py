@@ -19,7 +19,13 @@ from grpo_specdec.job.actors import Placement
 from grpo_specdec.job.batches import Batch
 from grpo_specdec.job.checkpoints import replace_dir
 from grpo_specdec.job.config import TrainConfig
-from grpo_specdec.job.engine_setup import engine_config, engine_seed, latency_profile, stored_dtype
+from grpo_specdec.job.engine_setup import (
+    engine_config,
+    engine_seed,
+    engine_start_folder,
+    latency_profile,
+    stored_dtype,
+)
 from grpo_specdec.job.learners import PolicyBatch, PolicyRound
 from grpo_specdec.job.restarts import CallPastDeadline
 from grpo_specdec.job.rollout_worker import Rollout
@@ -60,7 +66,8 @@ class Roles:
         """Start every role from checkpoint `ckpt`, or from the configured models; returns
         the newest draft version issued."""
         cfg, place = self.cfg, self.placement
-        policy_dir, draft_dir = self.base_policy, self.base_draft
+        policy_dir = engine_start_folder(self.base_policy, self.engine_dtype, self.out)
+        draft_dir = self.base_draft
         if ckpt is not None:
             policy_dir, draft_dir = str(ckpt / "policy"), str(ckpt / "draft")
         if self._has_draft_learner(draft_dir):
