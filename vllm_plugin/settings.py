@@ -272,7 +272,7 @@ def find_latency(settings: ControllerSettings, vllm_config):
             f"no latency profile at {path} for {key}; run `grpo-specdec profile --model "
             f"{vllm_config.model_config.model} --draft {spec.model if spec else 'DRAFT'}"
             f"{' --draft-sampling ' + spec.draft_sample_method if key.get('draft_sampling') else ''}"
-            "` first, "
+            " --out profile.json` first (it also stores it there), "
             f'or name a profile in additional_config["{CONFIG_KEY}"]["profile"]'
         )
         if settings.profile:
