@@ -222,6 +222,14 @@ def ordered(names: Iterable[str], order: Iterable[str]) -> list[str]:
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
+def interval(v: dict, verdict: bool = True) -> str:
+    """A configuration's speedup (`v["speedup"]`, a Ratio's dict) with its 95% interval,
+    and with `verdict` its gain or loss, called only where the interval excludes 1.0."""
+    sp = v["speedup"]
+    called = f", {sp['verdict']}" if verdict and sp["verdict"] in ("gain", "loss") else ""
+    return f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}]{called}"
+
+
 def write_study(study: str, title: str, results: str, script: str, today: str = "") -> Path:
     """Write docs/benchmarks/<study>.md whole: `title`, the day measured, `results` (what this
     run of `script` found) and the notes on reading them.

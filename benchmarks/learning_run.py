@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
@@ -66,18 +65,13 @@ REWARD_PROMPTS, REWARD_SAMPLES = 64, 8  # the reward agreement check
 EVAL_EXAMPLES, EVAL_MAX_TOKENS, EVAL_DTYPES = 200, 128, ("float32", "bfloat16")
 ROUNDED = "end, rounded to bfloat16"  # the end policy as its bf16 engine served it
 END_AT_T1 = "end at T = 1"  # no comma: --points splits on commas
-# Ours from the state its first (warm-up) rollout left, as the job's engine after its first
-# rollout; "ours, online head" starts every round with nothing learnt.
+NO_SPEC, OURS = "no speculation", "ours, online head"  # OURS: nothing learnt at each round
+# Ours from the state its first (warm-up) rollout left, as the job's engine after its first.
 WARMED = "ours, online head, warmed"
 POINTS = ("start", "middle", "end", END_AT_T1)  # the side-by-side rollouts, in the study's order
 # The side-by-side configurations, in the study's order.
-CONFIGS = (
-    "no speculation",
-    "ours, online head",
-    WARMED,
-    "ours, initial head",
-    *(f"fixed k = {k}, online head" for k in FIXED_K),
-)
+INITIAL, FIXED = "ours, initial head", [f"fixed k = {k}, online head" for k in FIXED_K]
+CONFIGS = (NO_SPEC, OURS, WARMED, INITIAL, *FIXED)
 
 
 def train(args, data: dict) -> None:
@@ -109,8 +103,8 @@ def side_by_side(
 ) -> dict:
     """The tail shape rolled out by `policy` at `temperature`: no speculation, ours with each
     head, fixed k."""
-    from benchmarks.rollout_throughput import Config, replay_lengths, run_config
-    from grpo_specdec.bench.measure import run_protocol
+    from benchmarks.rollout_report import summarise
+    from benchmarks.rollout_throughput import Config, replay_lengths, timed_rounds
     from grpo_specdec.config import load_yaml
     from grpo_specdec.engine import Engine, EngineConfig, SamplingSettings
     from grpo_specdec.job.config import TrainConfig
@@ -141,43 +135,31 @@ def side_by_side(
         workload = ("tail", "tail", "", shape.prompts, sampling)
         per_request = {"seeds": shape.seeds, "max_tokens": shape.max_tokens}
         endings: dict[str, int] = {}
-        *_, exact, exact_per_request = replay_lengths(plain, (*workload, per_request), endings)
-
+        exact = replay_lengths(plain, (*workload, per_request), endings)
         n = len(shape.prompts)
 
         def ours(e: Engine) -> Config:
             return Config(e, fresh_controller(e.scheduler(), latency, n))
 
         configs = {
-            "no speculation": Config(plain),
-            "ours, online head": ours(online),
+            NO_SPEC: Config(plain),
+            OURS: ours(online),
             # as the job's engine starts every rollout after its first
             WARMED: Config(online, warmed(fresh_controller(online.scheduler(), latency, n))),
-            "ours, initial head": ours(initial),
+            INITIAL: ours(initial),
             **{f"fixed k = {k}, online head": Config(online, FixedPolicy(k)) for k in FIXED_K},
         }
 
-        def protocol(label: str, sampling, per_request: dict, repeats: int, seed: int):
-            return run_protocol(
-                {
-                    name: (lambda c=c: run_config(c, shape.prompts, sampling, None, per_request))
-                    for name, c in configs.items()
-                },
-                repeats=repeats,
-                seed=seed,
-                progress=lambda msg: print(f"{point}, {label}: {msg}", flush=True),
-            )
-
         # Equal tokens: each request made as long as the reference made it, EOS ignored.
-        equal = protocol("equal tokens", exact, exact_per_request, args.repeats, args.order_seed)
+        label = f"{point}, equal tokens"
+        equal = timed_rounds(configs, exact, args.repeats, args.order_seed, label)
         # Natural EOS: each configuration's own answers, under the same budgets and no
         # per-request seeds (under one seed the engines would still draw differently), so every
         # round of every configuration samples afresh; more rounds, as lengths vary.
-        budgets = {"max_tokens": shape.max_tokens}
-        natural = protocol(
-            "natural EOS", sampling, budgets, args.natural_repeats, args.order_seed + 1
-        )
-        rewards = reward_agreement(cfg, plain, configs["ours, online head"], temperature)
+        budgets = (*workload, {"max_tokens": shape.max_tokens})
+        seed, label = args.order_seed + 1, f"{point}, natural EOS"
+        natural = timed_rounds(configs, budgets, args.natural_repeats, seed, label)
+        rewards = reward_agreement(cfg, plain, configs[OURS], temperature)
     finally:
         for e in (plain, online, initial):
             e.shutdown()
@@ -187,8 +169,8 @@ def side_by_side(
         "online_head": online_head,
         "endings": endings,
         "orders": equal.orders,
-        "configs": summary(equal),
-        "natural": {"orders": natural.orders, "configs": summary(natural)},
+        "configs": summarise(equal, "tail", NO_SPEC),
+        "natural": {"orders": natural.orders, "configs": summarise(natural, "tail", NO_SPEC)},
         "rewards": rewards,
     }
 
@@ -218,42 +200,12 @@ def reward_agreement(cfg, plain, ours, temperature: float) -> dict:
             for group, e in zip(groups, examples, strict=True)
         ]
 
-    means = {"no speculation": prompt_means(plain), "ours, online head": prompt_means(ours.engine)}
+    means = {NO_SPEC: prompt_means(plain), OURS: prompt_means(ours.engine)}
     return {
         "prompts": REWARD_PROMPTS,
         "samples": REWARD_SAMPLES,
         "prompt_means": means,
-        "paired_t": paired_t(means["ours, online head"], means["no speculation"]),
-    }
-
-
-def summary(timed) -> dict:
-    """Per configuration: makespans, tokens, acceptance and speedup over no speculation,
-    paired by round."""
-    from grpo_specdec.bench.measure import speedup
-    from grpo_specdec.bench.tail_shape import tail_phase_s
-    from grpo_specdec.job.rollout_worker import k_by_batch
-
-    makespans = {n: [max(r["finished_s"]) for r in runs] for n, runs in timed.runs.items()}
-    base = makespans["no speculation"]
-    return {
-        name: {
-            "makespan_s": statistics.median(makespans[name]),
-            "makespan_s_runs": makespans[name],
-            "tail_s": statistics.median(tail_phase_s(r["finished_s"]) for r in runs),
-            "tokens": runs[-1]["tokens"],
-            "tokens_runs": [r["tokens"] for r in runs],
-            "tokens_after_eos": statistics.median(r["tokens_after_eos"] for r in runs),
-            "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
-            "mal_before_eos": statistics.median(r["mal_before_eos"] for r in runs),
-            "k_steps": [dict(Counter(k for _, _, k in r.get("trace", ()))) for r in runs],
-            "k_by_batch": k_by_batch(
-                [(t, b, k, None) for r in runs for t, b, k in r.get("trace", ())]
-            ),
-            "speedup": speedup(base, makespans[name]).to_dict(),
-            "others_cpu_share": timed.busy[name],
-        }
-        for name, runs in timed.runs.items()
+        "paired_t": paired_t(means[OURS], means[NO_SPEC]),
     }
 
 

@@ -1,14 +1,16 @@
-"""The report of `benchmarks/rollout_throughput.py`: each configuration's rounds summarised,
-speedups over no speculation with their intervals, the study's tables and plots."""
+"""The report of `benchmarks/rollout_throughput.py`: each configuration's rounds summarised
+(the one summariser of timed rounds, learning_run.py's too), speedups over no speculation
+with their intervals, the study's tables and plots."""
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ASSETS, ordered, prose, pyplot, table
+from benchmarks.common import ASSETS, interval, ordered, prose, pyplot, table
 from grpo_specdec.bench.measure import speedup
 from grpo_specdec.bench.tail_shape import in_flight, tail_phase_s
 from grpo_specdec.simulate import VLLM_EXAMPLE_TABLES
@@ -61,67 +63,75 @@ def few_in_flight_share(trace: list) -> float:
     return float(dt[b[:-1] <= FEW_IN_FLIGHT].sum() / dt.sum())
 
 
-def summarise(runs: list[dict]) -> dict:
-    """One configuration's rounds of one workload: medians, and per round what the
-    simulator's validation replays."""
-    out = {
-        "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
-        "wall_s": statistics.median(r["wall_s"] for r in runs),
-        "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
-        # Each repeat, for the simulator's validation: its wall time, and (where lengths
-        # vary) every request's output length; the conditional acceptance per position.
-        "wall_s_runs": [r["wall_s"] for r in runs],
-        "s_per_token_runs": [r["wall_s"] / r["tokens"] for r in runs],
-        "makespan_s_runs": [max(r["finished_s"]) for r in runs],
-        "others_cpu_share": [r.get("others_cpu_share") for r in runs],
-        "tokens_after_eos": statistics.median(r["tokens_after_eos"] for r in runs),
-    }
-    if all("mal_before_eos" in r for r in runs):
-        out["mal_before_eos"] = statistics.median(r["mal_before_eos"] for r in runs)
-    if any(len({n for group in r["lengths"] for n in group}) > 1 for r in runs):
-        out["lengths_runs"] = [[n for group in r["lengths"] for n in group] for r in runs]
-    drafted = [r["per_position_acceptance"] for r in runs if r["per_position_acceptance"]]
-    if drafted and runs[-1]["mean_acceptance_length"] > 1.0:
-        out["conditional_acceptance"] = mean_conditional(drafted)
-    if "group" in runs[-1]:
-        for source in runs[-1]["group"]:
+def summarise(timed, section: str, base: str = "no spec") -> dict[str, dict]:
+    """The one summary of timed rounds (a `run_protocol` result of `run_config` runs, here
+    and in learning_run.py): per configuration the medians, per round what the simulator's
+    validation replays (wall time, output lengths where they vary, the conditional
+    acceptance per position), the steps per k, and the speedup over `base`."""
+    from grpo_specdec.job.rollout_worker import k_by_batch
+
+    per = {}
+    for name, runs in timed.runs.items():
+        traces = [r.get("trace", ()) for r in runs]
+        out = per[name] = {
+            "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+            "wall_s": statistics.median(r["wall_s"] for r in runs),
+            "mal": statistics.median(r["mean_acceptance_length"] for r in runs),
+            "tokens": runs[-1]["tokens"],
+            "tokens_runs": [r["tokens"] for r in runs],
+            "wall_s_runs": [r["wall_s"] for r in runs],
+            "s_per_token_runs": [r["wall_s"] / r["tokens"] for r in runs],
+            "makespan_s_runs": [max(r["finished_s"]) for r in runs],
+            "others_cpu_share": timed.busy[name],
+            "tokens_after_eos": statistics.median(r["tokens_after_eos"] for r in runs),
+            "makespan_s": statistics.median(max(r["finished_s"]) for r in runs),
+            "tail_s": statistics.median(tail_phase_s(r["finished_s"], TAIL_FRACTION) for r in runs),
+            "k_steps": [dict(Counter(k for _, _, k in trace)) for trace in traces],
+            "k_by_batch": k_by_batch([(t, b, k, None) for trace in traces for t, b, k in trace]),
+        }
+        if all("mal_before_eos" in r for r in runs):
+            out["mal_before_eos"] = statistics.median(r["mal_before_eos"] for r in runs)
+        if any(len({n for group in r["lengths"] for n in group}) > 1 for r in runs):
+            out["lengths_runs"] = [[n for group in r["lengths"] for n in group] for r in runs]
+        drafted = [r["per_position_acceptance"] for r in runs if r["per_position_acceptance"]]
+        if drafted and runs[-1]["mean_acceptance_length"] > 1.0:
+            out["conditional_acceptance"] = mean_conditional(drafted)
+        for source in runs[-1].get("group", ()):
             for what in ("draft_tokens", "accepted_tokens"):
                 out[f"{source}_{what}"] = statistics.median(r["group"][source][what] for r in runs)
-    if "trace" in runs[-1]:
-        out["few_in_flight_share"] = statistics.median(
-            few_in_flight_share(r["trace"]) for r in runs
-        )
-    out["makespan_s"] = statistics.median(max(r["finished_s"]) for r in runs)
-    out["tail_s"] = statistics.median(tail_phase_s(r["finished_s"], TAIL_FRACTION) for r in runs)
-    return out
+        if "trace" in runs[-1]:
+            out["few_in_flight_share"] = statistics.median(map(few_in_flight_share, traces))
+    return with_speedups(section, per, base)
 
 
-def with_speedups(section: str, per: dict[str, dict]) -> dict[str, dict]:
-    """Each configuration's speedup over no speculation, paired by round, with its 95%
-    interval: in makespan on the tail shape, in time per generated token elsewhere."""
+def with_speedups(section: str, per: dict[str, dict], base: str = "no spec") -> dict[str, dict]:
+    """Each configuration's speedup over `base`, paired by round, with its 95% interval: in
+    makespan on the tail shape, in time per generated token elsewhere."""
     runs = "makespan_s_runs" if section == "tail" else "s_per_token_runs"
-    base = per["no spec"][runs]
     for v in per.values():
-        v["speedup"] = speedup(base, v[runs]).to_dict()
+        v["speedup"] = speedup(per[base][runs], v[runs]).to_dict()
     return per
 
 
-def _x(v: dict) -> str:
-    """A configuration's speedup over no speculation with its interval, and a verdict
-    only when the interval excludes 1.0."""
-    sp = v["speedup"]
-    verdict = {"gain": ", gain", "loss": ", loss"}.get(sp["verdict"], "")
-    return f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}]{verdict}"
+def _label(key: str) -> str:
+    """A fixed-concurrency workload's sampling, from its key "T/B"."""
+    temp = key.split("/")[0]
+    return "greedy" if float(temp) == 0 else f"T={temp}"
+
+
+def _keys(keyed: dict, temp: str | None = None) -> list[str]:
+    """A section's workload keys ("T/B") by temperature, then B; at `temp` alone if given."""
+    keys = [k for k in keyed if temp is None or k.split("/")[0] == temp]
+    return sorted(keys, key=lambda k: (float(k.split("/")[0]), int(k.split("/")[1])))
 
 
 def _ratio_table(per_key: dict, keys: list[str], header: list[str]) -> list[str]:
-    return table(
-        ["config", *header],
-        (
-            [n, *(f"{per_key[k][n]['tokens_per_s']:.0f} ({_x(per_key[k][n])})" for k in keys)]
-            for n in ordered(per_key[keys[0]], CONFIGS)
-        ),
+    """Tokens/s and the speedup over no speculation of each configuration at each key."""
+    rows = (
+        [n, *(f"{per_key[k][n]['tokens_per_s']:.0f} ({interval(per_key[k][n])})" for k in keys)]
+        for n in ordered(per_key[keys[0]], CONFIGS)
     )
+    return table(["config", *header], rows)
 
 
 def _fixed_summary(fixed: dict, keys: list[str]) -> str:
@@ -129,26 +139,16 @@ def _fixed_summary(fixed: dict, keys: list[str]) -> str:
     speculation, at each B: the parts of it that this run measured."""
     names = set(fixed[keys[0]])
     fixed_k = sorted(n for n in names if n.startswith("k=") and n[2] != "0")
+    at = {k: f"B={k.split('/')[1]}: " for k in keys}
     parts = []
     if "ours" in names and fixed_k:
-        parts.append(
-            "Ours vs the best fixed k: "
-            + ", ".join(
-                f"B={k.split('/')[1]}: "
-                f"{fixed[k]['ours']['tokens_per_s'] / max(fixed[k][n]['tokens_per_s'] for n in fixed_k):.2f}x"
-                for k in keys
-            )
-            + "."
-        )
+        best = {k: max(fixed[k][n]["tokens_per_s"] for n in fixed_k) for k in keys}
+        ratios = (f"{at[k]}{fixed[k]['ours']['tokens_per_s'] / best[k]:.2f}x" for k in keys)
+        parts.append(f"Ours vs the best fixed k: {', '.join(ratios)}.")
     k0 = [n for n in ("k=0 (draft loaded)", "k=0, vLLM as shipped") if n in names]
     if k0:
-        parts.append(
-            f"{' / '.join(k0)} vs no speculation: "
-            + ", ".join(
-                f"B={k.split('/')[1]}: " + " / ".join(_x(fixed[k][n]) for n in k0) for k in keys
-            )
-            + "."
-        )
+        speedups = (at[k] + " / ".join(interval(fixed[k][n]) for n in k0) for k in keys)
+        parts.append(f"{' / '.join(k0)} vs no speculation: {', '.join(speedups)}.")
     return " ".join(parts)
 
 
@@ -171,28 +171,19 @@ def report(r: dict) -> str:
     )
     lines = [protocol, *(["", a["note"]] if a.get("note") else [])]
     fixed = res.get("fixed", {})
-    temps = sorted({k.split("/")[0] for k in fixed}, key=float)
-    for temp in temps:
-        keys = sorted(
-            (k for k in fixed if k.split("/")[0] == temp), key=lambda k: int(k.split("/")[1])
-        )
-        bs = [k.split("/")[1] for k in keys]
-        label = "greedy" if float(temp) == 0 else f"T={temp}"
+    for temp in sorted({k.split("/")[0] for k in fixed}, key=float):
+        keys = _keys(fixed, temp)
         lines += [
             "",
-            f"### Fixed concurrency, {label}: {a['tokens']} tokens per request, arithmetic questions",
+            f"### Fixed concurrency, {_label(temp)}: {a['tokens']} tokens per request, arithmetic questions",
             "",
-            *_ratio_table(fixed, keys, [f"B={b}" for b in bs]),
+            *_ratio_table(fixed, keys, [f"B={k.split('/')[1]}" for k in keys]),
             "",
+            _fixed_summary(fixed, keys),
         ]
-        lines.append(_fixed_summary(fixed, keys))
-    outside = res.get("outside", {})
-    if outside:
-        keys = sorted(outside, key=lambda k: (float(k.split("/")[0]), int(k.split("/")[1])))
-        header = [
-            f"{'greedy' if float(k.split('/')[0]) == 0 else 'T=' + k.split('/')[0]}, B={k.split('/')[1]}"
-            for k in keys
-        ]
+    if outside := res.get("outside", {}):
+        keys = _keys(outside)
+        header = [f"{_label(k)}, B={k.split('/')[1]}" for k in keys]
         lines += [
             "",
             f"### Prompts outside the head's task (general instructions), {a['tokens']} tokens per request",
@@ -219,8 +210,8 @@ def report(r: dict) -> str:
                 ["config", "tokens/s", "vs no spec", "wall s", "mean acceptance length"]
                 + ["group tokens drafted / accepted", "model tokens drafted / accepted"],
                 (
-                    [n, f"{v['tokens_per_s']:.0f}", _x(v), f"{v['wall_s']:.1f}", f"{v['mal']:.2f}"]
-                    + [_by_source(v)]
+                    [n, f"{v['tokens_per_s']:.0f}", interval(v), f"{v['wall_s']:.1f}"]
+                    + [f"{v['mal']:.2f}", _by_source(v)]
                     for n, v in ((n, per[n]) for n in ordered(per, CONFIGS))
                 ),
             ),
@@ -287,7 +278,7 @@ def _tail_report(per: dict, r: dict) -> list[str]:
         return [
             n,
             f"{v['makespan_s']:.1f}",
-            _x(v),
+            interval(v),
             f"{v['tail_s']:.1f}",
             f"{base['tail_s'] / v['tail_s']:.2f}x",
             f"{v['tokens_per_s']:.0f}",
@@ -317,9 +308,7 @@ def _tail_report(per: dict, r: dict) -> list[str]:
 def _plot_fixed(plt, fixed: dict, temps: list[str], path: Path) -> None:
     fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.5), squeeze=False)
     for ax, temp in zip(axes[0], temps, strict=True):
-        keys = sorted(
-            (k for k in fixed if k.split("/")[0] == temp), key=lambda k: int(k.split("/")[1])
-        )
+        keys = _keys(fixed, temp)
         bs = [int(k.split("/")[1]) for k in keys]
         for n in fixed[keys[0]]:
             style = "-o" if n in ("ours", "no spec", "paper rule", "static table") else ":."
@@ -334,7 +323,7 @@ def _plot_fixed(plt, fixed: dict, temps: list[str], path: Path) -> None:
             xscale="log",
             xlabel="concurrency B",
             ylabel="generated tokens/s",
-            title=f"Fixed concurrency, {'greedy' if float(temp) == 0 else 'T=' + temp}",
+            title=f"Fixed concurrency, {_label(temp)}",
         )
         ax.set_xticks(bs, [str(b) for b in bs])
         ax.legend(fontsize=7)

@@ -56,7 +56,6 @@ from benchmarks.rollout_report import (
     plot,
     report,
     summarise,
-    with_speedups,
 )
 from grpo_specdec.bench.measure import run_protocol
 from grpo_specdec.bench.tail_shape import tokens_after_eos
@@ -174,6 +173,22 @@ def run_config(
     if config.group:
         out["group"] = config.engine.group_draft_stats()["sources"]
     return out
+
+
+def timed_rounds(
+    configs: dict[str, Config], workload: tuple, repeats: int, seed: int, label: str, history=None
+):
+    """Every configuration on one workload ((section, key, policy, prompts, sampling,
+    per-request settings)) under the measurement protocol (grpo_specdec/bench/measure.py):
+    each warmed on it, then `repeats` rounds in a seeded shuffled order, every run from the
+    configuration's own state (`run_config`); `history`: the group drafts' earlier answers."""
+    *_, prompts, sampling, per_request = workload
+    runs = {
+        n: functools.partial(run_config, c, prompts, sampling, history, per_request)
+        for n, c in configs.items()
+    }
+    progress = functools.partial(print, f"{label}:", flush=True)
+    return run_protocol(runs, repeats=repeats, seed=seed, progress=progress)
 
 
 def group_configs(
@@ -378,8 +393,7 @@ def main() -> None:
 
     # One policy at a time (its engines, then the next policy's): every configuration of a
     # workload still runs side by side, interleaved, in each repeat.
-    results: dict[str, dict[str, dict[str, list[dict]]]] = {}
-    orders: dict[str, list[list[str]]] = {}
+    results: dict[str, dict] = {}  # section -> key -> the protocol's timed rounds
     tables, calibration = {}, {}
     tail_endings: dict[str, int] = {}
     for name, (model, draft) in models.items():
@@ -454,29 +468,14 @@ def main() -> None:
             and args.group
             and any(c.with_history for c in configs.values())
         }
-        # The protocol (grpo_specdec/bench/measure.py), per workload: every configuration warmed
-        # on it, then --repeats rounds in a seeded shuffled order.
-        for w, (section, key, _, prompts, sampling, per_request) in enumerate(own_workloads):
-            past = history.get((section, key))
-            timed = run_protocol(
-                {
-                    cname: functools.partial(
-                        run_config, config, prompts, sampling, past, per_request
-                    )
-                    for cname, config in configs.items()
-                },
-                repeats=args.repeats,
-                seed=args.order_seed + w,
-                progress=functools.partial(print, f"{name} {section} {key}:", flush=True),
-            )
-            for cname, runs in timed.runs.items():
-                for out, busy in zip(runs, timed.busy[cname], strict=True):
-                    out["others_cpu_share"] = busy
-            results.setdefault(section, {})[key] = timed.runs
-            orders[f"{section}/{key}"] = timed.orders
+        for w, workload in enumerate(own_workloads):
+            label, past = f"{name} {workload[0]} {workload[1]}", history.get(workload[:2])
+            timed = timed_rounds(configs, workload, args.repeats, args.order_seed + w, label, past)
+            results.setdefault(workload[0], {})[workload[1]] = timed
         for e in engines:
             e.shutdown()
 
+    tail_runs = results["tail"]["tail"].runs if "tail" in results else {}
     report_data = {
         "hardware": hardware_name(),
         "k_max": args.k_max,
@@ -493,33 +492,26 @@ def main() -> None:
         "calibration_conditional_acceptance": calibration,
         "trained_policy": models.get("trained"),
         "results": {
-            section: {
-                key: with_speedups(section, {n: summarise(r) for n, r in per.items()})
-                for key, per in keyed.items()
-            }
-            for section, keyed in results.items()
+            s: {k: summarise(t, s) for k, t in keyed.items()} for s, keyed in results.items()
         },
-        "orders": orders,
+        "orders": {f"{s}/{k}": t.orders for s, keyed in results.items() for k, t in keyed.items()},
         "machine": machine,
         "traces": {
-            key: per["ours"][-1]["trace"]
+            key: t.runs["ours"][-1]["trace"]
             for section in ("grpo", "tail")
-            for key, per in results.get(section, {}).items()
-            if "ours" in per
+            for key, t in results.get(section, {}).items()
+            if "ours" in t.runs
         },
         # The tail shape's requests, each (first scheduled, last token), in each
         # configuration's last run: B over time.
         "tail_timelines": {
             n: list(zip(r[-1]["scheduled_s"], r[-1]["finished_s"], strict=True))
-            for n, r in results.get("tail", {}).get("tail", {}).items()
+            for n, r in tail_runs.items()
         },
         "tail_reference_endings": tail_endings,
         "shapes": SHAPES,
         "tail_shape": {"prompts": len(TAIL.questions), "group": TAIL.group, "cap": TAIL.cap},
-        "tail_lengths": {
-            n: [group[0] for group in r[-1]["lengths"]]
-            for n, r in results.get("tail", {}).get("tail", {}).items()
-        },
+        "tail_lengths": {n: [group[0] for group in r[-1]["lengths"]] for n, r in tail_runs.items()},
         "args": vars(args),
         "command": command(),
     }
