@@ -37,6 +37,7 @@ from benchmarks.common import (
     cli,
     command,
     fresh_controller,
+    interval,
     ordered,
     parser,
     prose,
@@ -337,29 +338,19 @@ def _slope(ys: list[float], boot: int = 4000) -> tuple[float, float, float]:
     return fit(points), slopes[int(0.025 * (boot - 1))], slopes[int(0.975 * (boot - 1))]
 
 
-def point_names(points: dict) -> list[str]:
-    """The points in a stable order: by iteration, then as POINTS lists them."""
-    return sorted(ordered(points, POINTS), key=lambda n: points[n]["iteration"])
-
-
-def config_rows(configs: dict) -> list[str]:
-    """A point's configurations in a stable order (a run saved them in its first round's)."""
-    return ordered(configs, CONFIGS)
-
-
 def report(data: dict) -> str:
     from grpo_specdec.bench.compare import k_by_batch_text
 
-    records, evals = data["training"]["records"], data["training"]["evals"]
+    training = data["training"]
+    records, evals = training["records"], training["evals"]
     first, last = evals[0], evals[-1]
     slope, low, high = _slope([r["reward_mean"] for r in records])
-    training = data["training"]
     learning = prose(
         "learning_run",
         "learning",
-        command=training.get("command", data["command"]),
+        command=training["command"],
         hardware=data["hardware"],
-        note=training.get("machine", data["machine"])["note"],
+        note=training["machine"]["note"],
         iterations=len(records),
         minutes=f"{training['wall_s'] / 60:.0f}",
         resumed=" (resumed once)" if training["resumed"] else "",
@@ -399,97 +390,70 @@ def report(data: dict) -> str:
         learning_table.insert(2, f"| 0 | | | | | | | {by_eval[0]['accuracy']:.3f} |")
     lines += learning_table
     points = data.get("points", {})
-    names = point_names(points)
+    # the points in a stable order: by iteration, then as POINTS lists them
+    names = sorted(ordered(points, POINTS), key=lambda n: points[n]["iteration"])
     measured = [
-        f"The {name} point measured with `{points[name]['command']}` "
-        f"({rounds(points[name]['configs'])} rounds"
-        + (
-            f", {rounds(points[name]['natural']['configs'])} with natural EOS"
-            if "natural" in points[name]
-            else ""
-        )
-        + f"). {points[name]['machine']['note']}"
-        for name in names
-        if "command" in points[name]
+        f"The {n} point measured with `{points[n]['command']}` ({rounds(points[n]['configs'])} "
+        f"rounds, {rounds(points[n]['natural']['configs'])} with natural EOS). "
+        + points[n]["machine"]["note"]
+        for n in names
     ]
     fields = {"prompts": PROMPTS, "group": GROUP, "median": MEDIAN, "cap": CAP, "t1": END_AT_T1}
     lines += ["", prose("learning_run", "side_by_side", **fields), "", *measured, ""]
     lines += [prose("learning_run", "after_eos"), ""]
 
-    def verdict(config: str, v: dict) -> str:
-        return "-" if config == "no speculation" else v["speedup"]["verdict"]
+    def rows(configs_of) -> list[tuple[str, str, dict]]:
+        """(point, config, its summary) of every point's rounds, in a stable order."""
+        return [
+            (n, c, configs_of(points[n])[c])
+            for n in names
+            for c in ordered(configs_of(points[n]), CONFIGS)
+        ]
 
-    def speedup(v: dict) -> str:
-        sp = v["speedup"]
-        return f"{sp['median']:.2f}x [{sp['low']:.2f}, {sp['high']:.2f}]"
+    def compared(n: str, c: str, v: dict, makespan: str) -> list:
+        verdict = "-" if c == NO_SPEC else v["speedup"]["verdict"]
+        sp = interval(v, verdict=False)
+        return [n, points[n]["iteration"], c, makespan, sp, verdict, f"{v['mal']:.2f}"]
 
     header = ["point", "iteration", "config", "makespan s", "speedup [95% interval]", "verdict"]
     lines += table(
         [*header, "MAL", "MAL before EOS", "after EOS"],
         (
-            [name, points[name]["iteration"], config, f"{v['makespan_s']:.1f}", speedup(v)]
-            + [verdict(config, v), f"{v['mal']:.2f}"]
-            + [f"{v['mal_before_eos']:.2f}" if "mal_before_eos" in v else "-"]
-            + [f"{v['tokens_after_eos']:.0f} of {v['tokens']}" if "tokens_after_eos" in v else "-"]
-            for name in names
-            for config, v in (
-                (c, points[name]["configs"][c]) for c in config_rows(points[name]["configs"])
-            )
+            compared(n, c, v, f"{v['makespan_s']:.1f}")
+            + [f"{v['mal_before_eos']:.2f}", f"{v['tokens_after_eos']:.0f} of {v['tokens']}"]
+            for n, c, v in rows(lambda p: p["configs"])
         ),
     )
-    natural = [name for name in names if "natural" in points[name]]
-    if natural:
-        header = ["point", "iteration", "config", "makespan s, median [min, max]"]
-        header += ["speedup [95% interval]", "verdict", "MAL", "tokens, median"]
 
-        def natural_row(name: str, config: str, v: dict) -> list:
-            runs = v["makespan_s_runs"]
-            steps = [sum(h.values()) for h in v["k_steps"]]
-            drafted = [sum(n for k, n in h.items() if int(k) > 0) for h in v["k_steps"]]
-            return [
-                name,
-                points[name]["iteration"],
-                config,
-                f"{v['makespan_s']:.2f} [{min(runs):.2f}, {max(runs):.2f}]",
-                speedup(v),
-                verdict(config, v),
-                f"{v['mal']:.2f}",
-                f"{statistics.median(v['tokens_runs']):.0f}",
-                f"{sum(drafted) / sum(steps):.0%}" if sum(steps) else "-",
-            ]
+    def natural_row(n: str, c: str, v: dict) -> list:
+        runs, ks = v["makespan_s_runs"], v["k_steps"]
+        steps = sum(sum(h.values()) for h in ks)
+        drafted = sum(m for h in ks for k, m in h.items() if int(k) > 0)
+        makespan = f"{v['makespan_s']:.2f} [{min(runs):.2f}, {max(runs):.2f}]"
+        tokens = f"{statistics.median(v['tokens_runs']):.0f}"
+        return compared(n, c, v, makespan) + [tokens, f"{drafted / steps:.0%}" if steps else "-"]
 
-        rows = [
-            (name, config, points[name]["natural"]["configs"][config])
-            for name in natural
-            for config in config_rows(points[name]["natural"]["configs"])
-        ]
-        lines += ["", prose("learning_run", "natural"), ""]
-        lines += table([*header, "steps with k > 0"], (natural_row(*r) for r in rows))
-        histograms = [
-            f"- {name}, {config}: {k_by_batch_text(v['k_by_batch'])}"
-            for name, config, v in rows
-            if v.get("k_by_batch") and config != "no speculation"
-        ]
-        if histograms:
-            lines += ["", "Steps per k by range of running requests B, all natural-EOS rounds:"]
-            lines += ["", *histograms]
-    agreement = [name for name in names if "rewards" in points[name]]
-    if agreement:
+    natural = rows(lambda p: p["natural"]["configs"])
+    header = ["point", "iteration", "config", "makespan s, median [min, max]"]
+    header += ["speedup [95% interval]", "verdict", "MAL", "tokens, median"]
+    lines += ["", prose("learning_run", "natural"), ""]
+    lines += table([*header, "steps with k > 0"], (natural_row(*r) for r in natural))
+    histograms = [
+        f"- {n}, {c}: {k_by_batch_text(v['k_by_batch'])}"
+        for n, c, v in natural
+        if v.get("k_by_batch") and c != NO_SPEC
+    ]
+    if histograms:
+        lines += ["", "Steps per k by range of running requests B, all natural-EOS rounds:"]
+        lines += ["", *histograms]
 
-        def agreement_row(name: str) -> list:
-            r = points[name]["rewards"]
-            plain_mean, ours_mean = (
-                f"{statistics.mean(r['prompt_means'][c]):.3f}"
-                for c in ("no speculation", "ours, online head")
-            )
-            return [name, f"{r['prompts']} x {r['samples']}", plain_mean, ours_mean]
+    def agreement(n: str) -> list:
+        r = points[n]["rewards"]
+        means = (f"{statistics.mean(r['prompt_means'][c]):.3f}" for c in (NO_SPEC, OURS))
+        return [n, f"{r['prompts']} x {r['samples']}", *means, f"{r['paired_t']:+.2f}"]
 
-        header = ["point", "prompts x samples", "reward, no speculation", "reward, ours"]
-        lines += ["", prose("learning_run", "rewards"), ""]
-        lines += table(
-            [*header, "paired t"],
-            ([*agreement_row(n), f"{points[n]['rewards']['paired_t']:+.2f}"] for n in agreement),
-        )
+    header = ["point", "prompts x samples", "reward, no speculation", "reward, ours", "paired t"]
+    lines += ["", prose("learning_run", "rewards"), "", *table(header, map(agreement, names))]
     lines += ["", f"![learning curve and speedup](../assets/{STUDY}.png)"]
     if ABLATION.is_file():
         lines += ["", *ablation_table(json.loads(ABLATION.read_text())["arms"], data)]
@@ -506,7 +470,6 @@ def ablation_table(arms: list[dict], data: dict) -> list[str]:
         "name": "shipped recipe",
         "change": "no format bonus; rollouts at T = 0.7, log-probabilities at T = 0.7; lr 3e-5; "
         "8 prompts x 8 per iteration",
-        "command": data["training"].get("command", data["command"]),
         "stopped": None,
         **data["training"],
     }
@@ -566,10 +529,10 @@ def plot(data: dict) -> None:
     axes[2].plot(its, [r.get("draft_top1", float("nan")) for r in records], label="head top-1")
     axes[2].set(title="the online head", xlabel="iteration")
     axes[2].legend(fontsize=7)
-    for config in ("ours, online head", "ours, initial head", "fixed k = 2, online head"):
-        # The rollouts as a rollout makes them (natural EOS) where the point has them.
+    for config in (OURS, INITIAL, *FIXED):
+        # The rollouts as a rollout makes them (natural EOS).
         pts = [
-            (p["iteration"], p.get("natural", p)["configs"][config])
+            (p["iteration"], p["natural"]["configs"][config])
             for name, p in data.get("points", {}).items()
             if name != END_AT_T1
         ]
