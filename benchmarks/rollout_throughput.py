@@ -235,6 +235,20 @@ def sampled_configs(
     return configs
 
 
+def max_batch_of(args: dict) -> int:
+    """The most sequences a run's engines hold and its controllers price: its largest
+    workload (benchmarks/simulator_validation.py prices a saved run's steps by it too)."""
+    shapes = [s for s in args["shapes"].split(",") if s]
+    return max(
+        [
+            *(int(b) for b in args["batch_sizes"].split(",") if b),
+            *([len(OUTSIDE_PROMPTS)] if args["outside"] else []),
+            *(SHAPES[s][1] * SHAPES[s][2] for s in shapes if s != "tail"),
+            *([len(TAIL.prompts)] if "tail" in shapes else []),
+        ]
+    )
+
+
 def named_configs(only: str, known: list[str]) -> tuple[list[str], list[str]]:
     """(known, unknown) names in the comma-separated `only`, where a name may hold a comma
     itself ("k=0, vLLM as shipped"): the longest run of pieces that is a known name wins."""
@@ -347,37 +361,26 @@ def main() -> None:
 
     target = smollm2()
     # Every head of the default's architecture and vocabulary size costs the same.
-    fresh = args.fresh_profile
-    profile_path = smollm2_profile(target, smollm2_head(target), args.k_max, fresh=fresh)
-    profiles = {"greedy": load_json(profile_path)}
+    head, fresh = smollm2_head(target), args.fresh_profile
+    paths = {
+        drafting: smollm2_profile(target, head, args.k_max, drafting, fresh)
+        for drafting in ("greedy", *(["probabilistic"] if args.sampled else []))
+    }
+    profiles = {drafting: load_json(path) for drafting, path in paths.items()}
     latency = profile_latency(profiles["greedy"])
-    if args.sampled:
-        sampled_profile = smollm2_profile(
-            target, smollm2_head(target), args.k_max, "probabilistic", fresh=fresh
-        )
-        profiles["probabilistic"] = load_json(sampled_profile)
-        sampled_latency = profile_latency(profiles["probabilistic"])
-    models = {"base": (target, args.head or smollm2_head(target))}
+    models = {"base": (target, args.head or head)}
     if any(SHAPES[s][0] == "trained" for s in grpo_shapes):
         models["trained"] = trained_policy(args.trained_iterations, args.trained_lr)
-    max_batch = max(
-        [
-            *batch_sizes,
-            *([len(OUTSIDE_PROMPTS)] if args.outside else []),
-            *(SHAPES[s][1] * SHAPES[s][2] for s in grpo_shapes),
-            *([len(TAIL.prompts)] if "tail" in shapes else []),
-        ]
-    )
+    max_batch = max_batch_of(vars(args))
 
     # Workloads: (section, key, policy, prompts, sampling, per-request settings).
     questions = [p.question for p in make_problems(max_batch, seed=7, level=2)]
     workloads = []
     for temp in temperatures:
+        sampling = SamplingSettings(max_tokens=args.tokens, ignore_eos=True, temperature=temp)
         for b in batch_sizes:
-            sampling = SamplingSettings(max_tokens=args.tokens, ignore_eos=True, temperature=temp)
             workloads.append(("fixed", f"{temp:g}/{b}", "base", questions[:b], sampling, {}))
         for b in (1, len(OUTSIDE_PROMPTS)) if args.outside else ():
-            sampling = SamplingSettings(max_tokens=args.tokens, ignore_eos=True, temperature=temp)
             workloads.append(
                 ("outside", f"{temp:g}/{b}", "base", OUTSIDE_PROMPTS[:b], sampling, {})
             )
@@ -405,7 +408,7 @@ def main() -> None:
         )
         if any(w[0] == "tail" for w in own_workloads):
             common["max_model_len"] = TAIL.cap + 256
-        controller = {"policy": "goodput", "profile": str(profile_path)}
+        controller = {"policy": "goodput", "profile": str(paths["greedy"])}
         with_group = {**controller, "group": {"enabled": True}}
 
         def engine(common=common, **speculative) -> Engine:
@@ -423,27 +426,20 @@ def main() -> None:
             hybrid = engine(**eagle, controller=with_group)
             engines += [group_only, hybrid]
         if args.sampled:
-            sampled_controller = {"policy": "goodput", "profile": str(sampled_profile)}
-            sampled = engine(**eagle, draft_sampling="probabilistic", controller=sampled_controller)
-            engines.append(sampled)
-            sampled_hybrid = None
-            if args.group:
-                sampled_hybrid = engine(
-                    **eagle,
-                    draft_sampling="probabilistic",
-                    controller={**sampled_controller, "group": {"enabled": True}},
-                )
-                engines.append(sampled_hybrid)
+            sampled_controller = {"policy": "goodput", "profile": str(paths["probabilistic"])}
+            drafting = {**eagle, "draft_sampling": "probabilistic"}
+            sampled_latency = profile_latency(profiles["probabilistic"])
+            sampled = engine(**drafting, controller=sampled_controller)
+            grouped = {**sampled_controller, "group": {"enabled": True}}
+            sampled_hybrid = engine(**drafting, controller=grouped) if args.group else None
+            engines += [sampled, *([sampled_hybrid] if sampled_hybrid else [])]
         # Calibrate the static table the way a user would: measure acceptance once at
         # k_max, on this policy's own GRPO-shaped rollout.
         spec.scheduler().set_policy(FixedPolicy(args.k_max))
-        own = [w for w in own_workloads if w[0] in ("grpo", "tail")]
-        calib_prompts, calib_sampling, calib_per_request = (
-            own[0][3:]
-            if own
-            else (questions[:8], SamplingSettings(n=8, temperature=1.0, max_tokens=256), {})
-        )
-        measured = spec.generate(calib_prompts, calib_sampling, **calib_per_request).spec
+        own = [w[3:] for w in own_workloads if w[0] in ("grpo", "tail")]
+        default = (questions[:8], SamplingSettings(n=8, temperature=1.0, max_tokens=256), {})
+        prompts, sampling, per_request = (own or [default])[0]
+        measured = spec.generate(prompts, sampling, **per_request).spec
         conditional = conditional_from_cumulative(measured["per_position_acceptance"])
         calibration[name] = conditional.tolist()
         tables[name] = recommend_table(latency, conditional, args.k_max, max_batch)

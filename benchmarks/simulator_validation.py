@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or a module
 
 from benchmarks.common import ASSETS, load_json, parser, prose, table, write_study
-from benchmarks.rollout_throughput import OUTSIDE_PROMPTS, SHAPES, TAIL
+from benchmarks.rollout_throughput import OUTSIDE_PROMPTS, SHAPES, TAIL, max_batch_of
 from grpo_specdec.assets.smollm2 import default_dir
 from grpo_specdec.simulate import (
     VLLM_EXAMPLE_TABLES,
@@ -70,26 +70,6 @@ def prompt_tokens(prompts: list[str]) -> np.ndarray:
     return np.array([len(tok.encode(t, add_special_tokens=False)) for t in texts], dtype=float)
 
 
-def max_batch_of(args: dict) -> int:
-    """The largest batch the run's controller priced (benchmarks/rollout_throughput.py)."""
-    return max(engine_slots(args), len(OUTSIDE_PROMPTS))
-
-
-def engine_slots(args: dict) -> int:
-    """max_num_seqs of the run's engines as runs before commit 4a1f9bc sized them: by the
-    batch sizes, GRPO shapes and tail shape only (a run of --batch-sizes 1 served the 8
-    outside-the-task prompts one at a time). Later runs hold `max_batch_of` sequences."""
-    shapes = [s for s in args["shapes"].split(",") if s]
-    batch_sizes = [int(b) for b in args["batch_sizes"].split(",") if b]
-    return max(
-        [
-            *batch_sizes,
-            *(SHAPES[s][1] * SHAPES[s][2] for s in shapes if s != "tail"),
-            *([len(TAIL.prompts)] if "tail" in shapes else []),
-        ]
-    )
-
-
 def workload_of(section: str, key: str, args: dict) -> tuple[str, np.ndarray, float]:
     """(the policy that answered, per-request prompt lengths, temperature) of a workload,
     as benchmarks/rollout_throughput.py made it."""
@@ -124,22 +104,12 @@ def setup_of(config: str, model: str, data: dict, latency: LatencyModel, conditi
         return dense_k_table(table, max_batch, k_max), latency, k_max, False
     if name == "paper rule":
         return PaperPolicy(latency.c_peak, k_max), latency, k_max, False
-    if name in ("group", "group +history"):  # no draft model: its drafts cost nothing to make
-        k_group = args["group_k_max"]
-        free = LatencyModel(latency.target, NO_COST, latency.speculation)
-        return (
-            GoodputPolicy(latency, FrozenAcceptance(conditional[:k_group]), max_batch),
-            free,
-            k_group,
-            False,
-        )
-    # ours, sampled ours, ours + group (+history): the goodput controller on the EAGLE engine
-    return (
-        GoodputPolicy(latency, FrozenAcceptance(conditional[:k_max]), max_batch),
-        latency,
-        k_max,
-        False,
-    )
+    # The goodput controller: ours (sampled, + group) on the EAGLE engine, and drafts from
+    # the group's text alone, whose drafts cost nothing to make (no draft model).
+    alone = name in ("group", "group +history")
+    k = args["group_k_max"] if alone else k_max
+    cost = LatencyModel(latency.target, NO_COST, latency.speculation) if alone else latency
+    return GoodputPolicy(latency, FrozenAcceptance(conditional[:k]), max_batch), cost, k, False
 
 
 @dataclass
