@@ -85,32 +85,24 @@ SHAPES = {
 }
 
 
-def run_config(
-    key: str,
-    shape: str,
-    iterations: int,
-    k: int,
-    head: str,
-    profile: Path,
-    out_root: Path,
-    extra: list[str],
-    reuse: bool,
-) -> list[dict]:
+def run_config(key: str, args: argparse.Namespace, head: str, profile: Path) -> list[dict]:
+    """Configuration `key`'s GRPO job on `args.shape` (a finished run of the same settings
+    under --out reused with --reuse); its metrics per iteration."""
     from grpo_specdec.job.run import Job
 
-    out = out_root / shape / key
+    out = Path(args.out) / args.shape / key
     overrides = [
-        *SHAPES[shape],
+        *SHAPES[args.shape],
         *CONFIGS[key][1],
-        f"iterations={iterations}",
-        f"checkpoint_every={iterations}",
-        f"rollout.k={k}",
+        f"iterations={args.iterations}",
+        f"checkpoint_every={args.iterations}",
+        f"rollout.k={args.k}",
         f"model.draft={head}",
         f"rollout.controller.profile={profile}",
         f"out={out}",
-        *extra,
+        *args.set,
     ]
-    if reuse and _finished(out, overrides, iterations):
+    if args.reuse and _finished(out, overrides, args.iterations):
         print(f"({key}) reusing the finished run in {out}", flush=True)
         return _metrics(out)
     shutil.rmtree(out, ignore_errors=True)
@@ -317,17 +309,7 @@ def measure(args: argparse.Namespace) -> dict:
     runs, started = {}, time.time()
     for key in args.configs:
         t = time.time()
-        runs[key] = run_config(
-            key,
-            args.shape,
-            args.iterations,
-            args.k,
-            head,
-            profile,
-            Path(args.out),
-            args.set,
-            args.reuse,
-        )
+        runs[key] = run_config(key, args, head, profile)
         print(f"({key}) {CONFIGS[key][0]}: {time.time() - t:.0f}s", flush=True)
     return {
         "hardware": hardware_name(),
