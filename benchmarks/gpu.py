@@ -74,10 +74,6 @@ def model_config(name: str, layers: int | None = None):
     )
 
 
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name() if device.type == "cuda" else str(device)
-
-
 # --- check: the learners ---------------------------------------------------------------
 
 
@@ -97,26 +93,18 @@ def random_batch(vocab: int, samples: int, prompt: int, response: int, seed: int
     return batch
 
 
-class Peak:
-    """Seconds and peak allocated GPU memory (GiB) of the block; no peak off CUDA."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            self.gib = torch.cuda.max_memory_allocated() / 2**30
-        else:
-            self.gib = None
-        self.s = time.perf_counter() - self.start
+def timed_peak(device: torch.device, fn, *args):
+    """`fn(*args)`'s result, its seconds and its peak allocated GPU memory (GiB; None off CUDA)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+    gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return out, time.perf_counter() - start, gib
 
 
 def check(args) -> dict:
@@ -142,21 +130,18 @@ def check(args) -> dict:
             batch = random_batch(
                 config.vocab_size, args.samples, args.prompt_tokens, args.response_tokens, step
             )
-            with Peak(device) as forward:
-                data = policy.prepare(batch)
-            with Peak(device) as update:
-                policy_round = policy.update()
-            with Peak(device) as train:
-                draft_round = draft.train(data)
+            data, forward_s, forward_gib = timed_peak(device, policy.prepare, batch)
+            policy_round, update_s, update_gib = timed_peak(device, policy.update)
+            draft_round, draft_s, draft_gib = timed_peak(device, draft.train, data)
             hidden = sum(s.hidden.numel() * s.hidden.element_size() for s in data.seqs)
             steps.append(
                 {
-                    "forward_s": forward.s,
-                    "update_s": update.s,
-                    "draft_s": train.s,
-                    "forward_peak_gib": forward.gib,
-                    "update_peak_gib": update.gib,
-                    "draft_peak_gib": train.gib,
+                    "forward_s": forward_s,
+                    "update_s": update_s,
+                    "draft_s": draft_s,
+                    "forward_peak_gib": forward_gib,
+                    "update_peak_gib": update_gib,
+                    "draft_peak_gib": draft_gib,
                     "hidden_gib": hidden / 2**30,
                     "hidden_dtype": str(data.seqs[0].hidden.dtype),
                     "tokens": sum(len(t) for t in batch.token_ids),
@@ -167,7 +152,7 @@ def check(args) -> dict:
             )
             print(json.dumps(steps[-1]), flush=True)
     return {
-        "device": device_name(device),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
         "model": args.model,
         "layers": config.num_hidden_layers,
         "vocab": config.vocab_size,
