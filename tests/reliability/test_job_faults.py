@@ -276,28 +276,34 @@ def test_job_recovers_from_faults_and_loses_nothing(
     assert not left, f"weight files left in the swap folder: {left}"
 
 
-class _NeverStarts:
-    """A rollout engine whose start never ends (a model load or a compile that hangs)."""
+def _never_starting(role: type) -> type:
+    """`role` whose start never ends (a model load or a compile that hangs)."""
 
-    def __init__(self, *args, **kwargs):
-        import time
+    class NeverStarts(role):
+        def __init__(self, *args, **kwargs):
+            import time
 
-        time.sleep(3600)
+            time.sleep(3600)
+
+    return NeverStarts
 
 
 def test_a_role_that_never_starts_stops_the_job_at_the_deadline(
     tiny_target, tiny_draft, job_profile, tmp_path, monkeypatch
 ):
-    """The roles' start waits under `ray.call_timeout_s` too: a job whose engine never
-    starts stops with one line (it waited for ever before)."""
+    """The roles' start waits under `ray.call_timeout_s` too: a job whose policy learner
+    never starts stops with one line (it waited for ever before). The learner is the one
+    that hangs so that the first deadline to pass is this one however slowly the other
+    roles start on a loaded machine (an engine that hangs is waited for in the same way,
+    after the learners)."""
     from grpo_specdec.job import actors
     from grpo_specdec.job.restarts import CallPastDeadline
     from grpo_specdec.job.run import Job
 
-    monkeypatch.setitem(actors.ROLES, "rollout", _NeverStarts)
+    monkeypatch.setitem(actors.ROLES, "policy", _never_starting(actors.ROLES["policy"]))
     overrides = [*job_overrides(tiny_target, tiny_draft, job_profile, tmp_path / "run", 1)]
     cfg = load_yaml(TrainConfig, CONFIG, [*overrides, "eval.every=0", "ray.call_timeout_s=20"])
-    with pytest.raises(CallPastDeadline, match=r"^a role's start did not answer within 20 s"):
+    with pytest.raises(CallPastDeadline, match=r"^a learner's start did not answer within 20 s"):
         Job(cfg)
 
 
