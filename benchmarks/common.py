@@ -86,18 +86,11 @@ def protocol_args(ap, repeats: bool = True) -> None:
     benchmark: --repeats (timed rounds, each in a new shuffled order), --order-seed, and
     --allow-busy (measure although other processes use the machine; the study says so)."""
     if repeats:
-        ap.add_argument(
-            "--repeats",
-            type=int,
-            default=DEFAULT_REPEATS,
-            help="timed rounds after a warm-up per configuration, each in a new shuffled order",
-        )
+        rounds = "timed rounds after a warm-up per configuration, each in a new shuffled order"
+        ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help=rounds)
         ap.add_argument("--order-seed", type=int, default=0, help="seeds the rounds' orders")
-    ap.add_argument(
-        ALLOW_BUSY_FLAG,
-        action="store_true",
-        help="measure even when other processes use more than 10%% of the machine",
-    )
+    busy = "measure even when other processes use more than 10%% of the machine"
+    ap.add_argument(ALLOW_BUSY_FLAG, action="store_true", help=busy)
 
 
 def quiet_machine(args) -> dict:
@@ -135,18 +128,9 @@ def smollm2_head(target: str, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> 
     out = head_dir(draft_vocab)
     if not (out / "model.safetensors").is_file():
         vocab = [] if draft_vocab is None else ["--draft-vocab", str(draft_vocab)]
-        train = ["--steps", "300", "--num-prompts", "512", "--max-tokens", "128"]
         cli(
-            "draft",
-            "train",
-            "--target",
-            target,
-            "--task",
-            "arithmetic",
-            "--out",
-            str(out),
-            *train,
-            *vocab,
+            *("draft", "train", "--target", target, "--task", "arithmetic", "--out", str(out)),
+            *("--steps", "300", "--num-prompts", "512", "--max-tokens", "128", *vocab),
         )
     return str(out)
 
@@ -166,20 +150,10 @@ def smollm2_profile(
         return covering[0]
     out = profiles / f"profile-{name}-k{k_max}.json"
     ASSETS.mkdir(parents=True, exist_ok=True)
+    plot = ASSETS / f"profile_{name}.png"
     cli(
-        "profile",
-        "--model",
-        target,
-        "--draft",
-        draft,
-        "--k-max",
-        str(k_max),
-        "--draft-sampling",
-        draft_sampling,
-        "--out",
-        str(out),
-        "--plot",
-        str(ASSETS / f"profile_{name}.png"),
+        *("profile", "--model", target, "--draft", draft, "--k-max", str(k_max)),
+        *("--draft-sampling", draft_sampling, "--out", str(out), "--plot", str(plot)),
     )
     return out
 
@@ -290,14 +264,10 @@ def trained_policy(iterations: int = 12, lr: float = 1e-4) -> tuple[str, str]:
     out = default_dir().parent / "runs" / f"smollm2-arith-lr{lr:g}-it{iterations}"
     ckpt = latest_checkpoint(out / "checkpoints")
     if ckpt is None or int(ckpt.name.rsplit("_", 1)[1]) < iterations:
+        config = str(ROOT / "configs" / "smollm2_arith.yaml")
         cli(
-            "train",
-            "--config",
-            str(ROOT / "configs" / "smollm2_arith.yaml"),
-            f"iterations={iterations}",
-            f"checkpoint_every={iterations}",
-            f"policy.lr={lr}",
-            f"out={out}",
+            *("train", "--config", config, f"iterations={iterations}"),
+            *(f"checkpoint_every={iterations}", f"policy.lr={lr}", f"out={out}"),
             *(["--resume", str(out)] if ckpt else []),
         )
         ckpt = latest_checkpoint(out / "checkpoints")

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or
 from benchmarks.common import (
     ASSETS,
     ROOT,
+    load_json,
     parser,
     prose,
     protocol_args,
@@ -46,18 +47,15 @@ from grpo_specdec.config import load_yaml
 from grpo_specdec.job.config import TrainConfig
 from vllm_plugin.settings import hardware_name
 
-CONFIGS = {
-    "a": ("no speculation", ["rollout.speculation=off", "draft.online=false"]),
-    "b": ("fixed k, frozen draft", ["rollout.speculation=fixed", "draft.online=false"]),
-    "c": (
-        "concurrency-aware, frozen draft",
-        ["rollout.speculation=concurrency_aware", "draft.online=false"],
-    ),
-    "d": ("fixed k, online draft", ["rollout.speculation=fixed", "draft.online=true"]),
-    "e": (
-        "full (concurrency-aware + online)",
-        ["rollout.speculation=concurrency_aware", "draft.online=true"],
-    ),
+CONFIGS = {  # key -> (name, overrides)
+    key: (name, [f"rollout.speculation={speculation}", f"draft.online={online}"])
+    for key, name, speculation, online in [
+        ("a", "no speculation", "off", "false"),
+        ("b", "fixed k, frozen draft", "fixed", "false"),
+        ("c", "concurrency-aware, frozen draft", "concurrency_aware", "false"),
+        ("d", "fixed k, online draft", "fixed", "true"),
+        ("e", "full (concurrency-aware + online)", "concurrency_aware", "true"),
+    ]
 }
 SHAPES = {
     "default": [],  # configs/smollm2_arith.yaml as is
@@ -102,9 +100,11 @@ def run_config(key: str, args: argparse.Namespace, head: str, profile: Path) -> 
         f"out={out}",
         *args.set,
     ]
-    if args.reuse and _finished(out, overrides, args.iterations):
-        print(f"({key}) reusing the finished run in {out}", flush=True)
-        return _metrics(out)
+    saved = out / "overrides.json"  # a run of exactly these overrides that reached its end
+    if args.reuse and saved.is_file() and json.loads(saved.read_text()) == overrides:
+        if len(metrics := _metrics(out)) == args.iterations:
+            print(f"({key}) reusing the finished run in {out}", flush=True)
+            return metrics
     shutil.rmtree(out, ignore_errors=True)
     cfg = load_yaml(TrainConfig, ROOT / "configs" / "smollm2_arith.yaml", overrides)
     job = Job(cfg)
@@ -112,7 +112,7 @@ def run_config(key: str, args: argparse.Namespace, head: str, profile: Path) -> 
         job.run()
     finally:
         job.shutdown()
-    (out / "overrides.json").write_text(json.dumps(overrides))
+    saved.write_text(json.dumps(overrides))
     return _metrics(out)
 
 
@@ -120,35 +120,9 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _finished(out: Path, overrides: list[str], iterations: int) -> bool:
-    """A run of exactly these overrides that reached its last iteration."""
-    saved = out / "overrides.json"
-    return (
-        saved.is_file()
-        and json.loads(saved.read_text()) == overrides
-        and len(_metrics(out)) == iterations
-    )
-
-
 # The metrics (metrics.jsonl's names) whose mean per iteration each configuration reports.
 MEANS = ("generation_s", "policy_update_s", "draft_train_s", "draft_wait_s", "sync_s")
 MEANS += ("iteration_s", "accuracy", "tokens_per_s")
-
-
-def summarize(runs: dict[str, list[dict]]) -> dict:
-    def mean(recs: list[dict], field: str) -> float:
-        return statistics.mean(r[field] for r in recs)
-
-    return {
-        key: {f: mean(recs, f) for f in MEANS}
-        | {
-            "reward": mean(recs, "reward_mean"),
-            "mal": [r["mean_acceptance_length"] for r in recs],
-            "rewards": [r["rewards"] for r in recs],
-            "draft_policy_lag": [r.get("draft_policy_lag") for r in recs],
-        }
-        for key, recs in runs.items()
-    }
 
 
 def shape_config(shape: str, sets: list[str]) -> TrainConfig:
@@ -226,10 +200,8 @@ def report(shape: str, s: dict, iterations: int, group: int) -> str:
             lag = ", ".join(map(str, lags)) or "-"
         else:  # saved before the job logged the lag
             lag = "not recorded"
-        return [f"({key})", f"{rf:.3f} → {rl:.3f}", f"{rs:+.4f}", f"{mf:.2f} → {ml:.2f}"] + [
-            f"{ms:+.4f}",
-            lag,
-        ]
+        cells = [f"({key})", f"{rf:.3f} → {rl:.3f}", f"{rs:+.4f}", f"{mf:.2f} → {ml:.2f}"]
+        return [*cells, f"{ms:+.4f}", lag]
 
     header = ["config", "reward first → last", "reward slope"]
     header += ["mean acceptance length first → last", "acceptance length slope"]
@@ -244,18 +216,11 @@ def report(shape: str, s: dict, iterations: int, group: int) -> str:
         ),
     )
     if set(keys) == set(CONFIGS):
-        e, b = s["e"], s["b"]
-        lines += [
-            "",
-            f"End-to-end speedup of (e): {a['iteration_s'] / e['iteration_s']:.2f}x over (a), "
-            f"{b['iteration_s'] / e['iteration_s']:.2f}x over (b). Generation time of (e) vs (b), (c), (d): "
-            + ", ".join(f"{s[k]['generation_s'] / e['generation_s']:.2f}x" for k in ("b", "c", "d"))
-            + " (>1 means (e) is faster).",
-        ]
-    lines += [
-        "",
-        f"![acceptance length per iteration](../assets/e2e_{shape}_acceptance.png) ![time split](../assets/e2e_{shape}_split.png)",
-    ]
+        e = s["e"]
+        fields = {f"over_{k}": f"{s[k]['iteration_s'] / e['iteration_s']:.2f}x" for k in "ab"}
+        generation = (f"{s[k]['generation_s'] / e['generation_s']:.2f}x" for k in "bcd")
+        lines += ["", prose("e2e_grpo", "full", **fields, generation=", ".join(generation))]
+    lines += ["", prose("e2e_grpo", "plots", shape=shape)]
     return "\n".join(lines)
 
 
@@ -264,19 +229,11 @@ def plot(shape: str, s: dict) -> None:
 
     keys = [k for k in CONFIGS if k in s]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key in keys:
-        if key != "a":
-            ax.plot(
-                range(1, len(s[key]["mal"]) + 1),
-                s[key]["mal"],
-                "-o",
-                label=f"({key}) {CONFIGS[key][0]}",
-            )
-    ax.set(
-        xlabel="GRPO iteration",
-        ylabel="mean acceptance length",
-        title=f"Acceptance length ({shape})",
-    )
+    for key in (k for k in keys if k != "a"):
+        mal = s[key]["mal"]
+        ax.plot(range(1, len(mal) + 1), mal, "-o", label=f"({key}) {CONFIGS[key][0]}")
+    title = f"Acceptance length ({shape})"
+    ax.set(xlabel="GRPO iteration", ylabel="mean acceptance length", title=title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(ASSETS / f"e2e_{shape}_acceptance.png", dpi=120)
@@ -286,12 +243,8 @@ def plot(shape: str, s: dict) -> None:
     bottom = [0.0] * len(keys)
     for part in parts:
         vals = [s[k][part] for k in keys]
-        ax.bar(
-            [f"({k})" for k in keys],
-            vals,
-            bottom=bottom,
-            label=part.removesuffix("_s").replace("_", " "),
-        )
+        label = part.removesuffix("_s").replace("_", " ")
+        ax.bar([f"({k})" for k in keys], vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set(ylabel="seconds per iteration", title=f"Iteration time split ({shape})")
     ax.legend(fontsize=7)
@@ -300,20 +253,27 @@ def plot(shape: str, s: dict) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Run the configurations; their results as saved in docs/assets/e2e_SHAPE.json."""
+    """Run the configurations; their results as saved in docs/assets/e2e_SHAPE.json: per
+    configuration the mean of MEANS per iteration, and its rewards, mean acceptance length
+    and draft lag in each."""
     target = smollm2()
     head = smollm2_head(target)
     # Timed as the runs draft: greedily or sampling (the config's rollout.draft_sampling).
     drafting = shape_config(args.shape, args.set).rollout.draft_sampling
     profile = smollm2_profile(target, head, args.k, drafting)
-    runs, started = {}, time.time()
+    summary, started = {}, time.time()
     for key in args.configs:
         t = time.time()
-        runs[key] = run_config(key, args, head, profile)
+        recs = run_config(key, args, head, profile)
         print(f"({key}) {CONFIGS[key][0]}: {time.time() - t:.0f}s", flush=True)
+        v = summary[key] = {f: statistics.mean(r[f] for r in recs) for f in MEANS}
+        v["reward"] = statistics.mean(r["reward_mean"] for r in recs)
+        v["mal"] = [r["mean_acceptance_length"] for r in recs]
+        v["rewards"] = [r["rewards"] for r in recs]
+        v["draft_policy_lag"] = [r.get("draft_policy_lag") for r in recs]
     return {
         "hardware": hardware_name(),
-        "summary": summarize(runs),
+        "summary": summary,
         "args": vars(args),
         "wall_s": time.time() - started,
     }
@@ -333,10 +293,7 @@ def section(data: dict, rebuilt: bool) -> str:
     if args.get("reuse"):
         measured += " (finished configurations reused)"
     if rebuilt:
-        measured += (
-            f"; tables rebuilt from the saved results (`docs/assets/e2e_{shape}.json`) with "
-            f"`python benchmarks/e2e_grpo.py --shape {shape} --report-only`"
-        )
+        measured += prose("e2e_grpo", "rebuilt", shape=shape)
     if "machine" in data:
         measured += f". {data['machine']['note'].removesuffix('.')}"
     return f"### Shape `{shape}`\n\n{measured}.\n\n" + report(
@@ -351,42 +308,30 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--configs", default="abcde")
     ap.add_argument("--out", default=str(ROOT / "runs" / "e2e"))
-    ap.add_argument(
-        "--reuse",
-        action="store_true",
-        help="keep configurations that already finished with the same settings under --out",
-    )
-    ap.add_argument(
-        "--report-only",
-        action="store_true",
-        help="run nothing: rebuild docs/benchmarks/e2e_grpo.md from the saved "
-        "docs/assets/e2e_SHAPE.json files",
-    )
-    ap.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override for every run, e.g. model.device=cuda (repeatable)",
-    )
+    what = "keep configurations that already finished with the same settings under --out"
+    ap.add_argument("--reuse", action="store_true", help=what)
+    what = "run nothing: rebuild docs/benchmarks/e2e_grpo.md from the saved "
+    what += "docs/assets/e2e_SHAPE.json files"
+    ap.add_argument("--report-only", action="store_true", help=what)
+    what = "config override for every run, e.g. model.device=cuda (repeatable)"
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=what)
     protocol_args(ap, repeats=False)
     args = ap.parse_args()
     saved = ASSETS / f"e2e_{args.shape}.json"
     if args.report_only:
-        data = json.loads(saved.read_text())
+        data = load_json(saved)
     else:
         machine = quiet_machine(args)
         data = {**measure(args), "machine": machine}
         ASSETS.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(data, indent=1))
         plot(args.shape, data["summary"])
-    print(section(data, rebuilt=args.report_only))
+    own = section(data, rebuilt=args.report_only)
+    print(own)
     parts = [
-        section(data, rebuilt=args.report_only)
-        if shape == args.shape
-        else section(json.loads((ASSETS / f"e2e_{shape}.json").read_text()), rebuilt=True)
-        for shape in SHAPES
-        if shape == args.shape or (ASSETS / f"e2e_{shape}.json").is_file()
+        own if shape == args.shape else section(load_json(path), rebuilt=True)
+        for shape, path in ((s, ASSETS / f"e2e_{s}.json") for s in SHAPES)
+        if shape == args.shape or path.is_file()
     ]
     write_study("e2e_grpo", "End-to-end GRPO (SmolLM2-135M)", "\n\n".join(parts), "e2e_grpo.py")
 

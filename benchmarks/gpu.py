@@ -183,12 +183,6 @@ def check_report(data: dict) -> str:
 # --- profile: a GPU's latency profile ---------------------------------------------------
 
 
-def kv_gib(config, batch: int, context: int) -> float:
-    head_dim = config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
-    return batch * (context + 1) * per_token / 2**30
-
-
 def timer(fn, device: torch.device, repeats: int):
     """Median ms of `fn`, replayed from a CUDA graph where it captures (else eager);
     returns (ms, graphed)."""
@@ -258,21 +252,19 @@ def measure(name: str, sizes: list[int], contexts: list[int], repeats: int, devi
         draft = AutoModelForCausalLM.from_config(head_config, dtype=dtype).eval()
         fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False, dtype=dtype)
     draft.lm_head = target.lm_head  # EAGLE shares the target's lm_head
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bytes
     rows, graphed_all = [], True
     for context in contexts:
         for n in sizes:
-            if kv_gib(config, n, context) > KV_BUDGET_GIB:
+            if n * (context + 1) * kv_per_token / 2**30 > KV_BUDGET_GIB:
                 log(f"skip N={n} context={context}: KV cache over {KV_BUDGET_GIB} GiB")
                 continue
-            target_ms, graphed = timer(
-                decode_step(target, config, n, context, device), device, repeats
-            )
+            step = decode_step(target, config, n, context, device)
+            target_ms, graphed = timer(step, device, repeats)
             features = torch.zeros((n, 1, 2 * config.hidden_size), device=device, dtype=dtype)
-            draft_ms, draft_graphed = timer(
-                decode_step(draft, head_config, n, context, device, lambda f=features: fc(f)),
-                device,
-                repeats,
-            )
+            step = decode_step(draft, head_config, n, context, device, lambda f=features: fc(f))
+            draft_ms, draft_graphed = timer(step, device, repeats)
             graphed_all &= graphed and draft_graphed
             rows.append(
                 {"tokens": n, "context": context, "target_ms": target_ms, "draft_ms": draft_ms}
@@ -284,7 +276,14 @@ def measure(name: str, sizes: list[int], contexts: list[int], repeats: int, devi
     return rows, graphed_all
 
 
-def build_profile(name: str, rows: list[dict], graphed: bool, device) -> dict:
+def profile(args) -> None:
+    name = "tiny" if args.tiny else args.model
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        raise SystemExit("no GPU: only --tiny runs on CPU")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows, graphed = measure(name, sizes, contexts, args.repeats, device)
     reference = rows[0]["context"]
     at_ref = [r for r in rows if r["context"] == reference]
     n = [r["tokens"] for r in at_ref]
@@ -307,7 +306,7 @@ def build_profile(name: str, rows: list[dict], graphed: bool, device) -> dict:
         attention=max(statistics.median(growth), 0.0) if growth else 0.0,
         context=float(reference),
     )
-    return {
+    measured = {
         "source": "measured by `python benchmarks/gpu.py profile` (random weights, "
         f"{'CUDA graphs' if graphed else 'eager'}, bf16)",
         "model_shape": name,
@@ -317,17 +316,6 @@ def build_profile(name: str, rows: list[dict], graphed: bool, device) -> dict:
         "measurements": rows,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-
-
-def profile(args) -> None:
-    name = "tiny" if args.tiny else args.model
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        raise SystemExit("no GPU: only --tiny runs on CPU")
-    sizes = [int(s) for s in args.sizes.split(",")]
-    contexts = [int(c) for c in args.contexts.split(",")]
-    rows, graphed = measure(name, sizes, contexts, args.repeats, device)
-    measured = build_profile(name, rows, graphed, device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(measured, indent=1))
     t = measured["latency"]["target"]
@@ -419,24 +407,12 @@ def modelled_report(latency: LatencyModel, source: str, run: dict) -> str:
         for label, policy in ACCEPTANCES.items()
         if policy is None or policy in calibration
     }
-    t = latency.target
-    lines = [
-        prose(
-            "gpu",
-            "modelled",
-            source=source,
-            flat=f"{t.flat:.2f}",
-            slope=f"{t.slope:.4f}",
-            knee=f"{t.knee:.0f}",
-            c_peak=f"{latency.c_peak:.0f}",
-            draft_base=f"{latency.draft.base:.2f}",
-            draft_per_seq=f"{latency.draft.per_seq:.4f}",
-            run=MEASURED_RUN,
-            replicas=REPLICAS,
-            eagle3=EAGLE3_ASSUMED[0],
-            positions=len(EAGLE3_ASSUMED),
-        )
-    ]
+    t, d = latency.target, latency.draft
+    fields = {"flat": f"{t.flat:.2f}", "slope": f"{t.slope:.4f}", "knee": f"{t.knee:.0f}"}
+    fields |= {"c_peak": f"{latency.c_peak:.0f}", "draft_base": f"{d.base:.2f}"}
+    fields |= {"draft_per_seq": f"{d.per_seq:.4f}", "run": MEASURED_RUN, "replicas": REPLICAS}
+    fields |= {"eagle3": EAGLE3_ASSUMED[0], "positions": len(EAGLE3_ASSUMED)}
+    lines = [prose("gpu", "modelled", source=source, **fields)]
     for acc_name, conditional in acceptances.items():
         conditional = np.asarray(conditional, dtype=float)
         k_max = len(conditional)
@@ -448,14 +424,8 @@ def modelled_report(latency: LatencyModel, source: str, run: dict) -> str:
                 for n, table in VLLM_EXAMPLE_TABLES.items()
             }
             recommended = recommend_table(latency, conditional, k_max, max_batch)
-            replays = compare(
-                latency,
-                conditional,
-                w,
-                k_max,
-                max_batch,
-                dense_k_table(recommended, max_batch, k_max),
-            )
+            recommended = dense_k_table(recommended, max_batch, k_max)
+            replays = compare(latency, conditional, w, k_max, max_batch, recommended)
             replays = {
                 ("recommended table" if n == "static table" else n): r for n, r in replays.items()
             }
@@ -477,12 +447,9 @@ def modelled_report(latency: LatencyModel, source: str, run: dict) -> str:
         for b in TLT:
             w = Workload(np.full(b, 512.0), np.full(b, 62.0), 1.0)
             r = compare(latency, conditional, w, k_max, 512)
-            fixed.append(
-                f"B={b}: {r['no spec'].makespan_s / r['ours'].makespan_s:.2f}x (TLT {TLT[b]:.2f}x)"
-            )
-        lines.append(
-            "Fixed concurrency, 512 tokens each, ours vs no spec: " + ", ".join(fixed) + "."
-        )
+            speedup = r["no spec"].makespan_s / r["ours"].makespan_s
+            fixed.append(f"B={b}: {speedup:.2f}x (TLT {TLT[b]:.2f}x)")
+        lines.append(f"Fixed concurrency, 512 tokens each, ours vs no spec: {', '.join(fixed)}.")
     tlt = ", ".join(f"{v}x at {b}" for b, v in TLT.items())
     tables = "; ".join(f"{n} `{t}`" for n, t in VLLM_EXAMPLE_TABLES.items())
     lines += ["", prose("gpu", "published", tlt=tlt, tables=tables)]
@@ -521,20 +488,15 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("profile", help="a GPU's latency profile, for the controller and simulator")
     p.add_argument("--model", choices=[s for s in SHAPES if s != "tiny"], default="llama3.1-8b")
     p.add_argument("--tiny", action="store_true", help="a tiny config, for tests on CPU")
-    p.add_argument(
-        "--sizes", default="1,2,4,8,16,32,64,96,128,192,256,384,512", help="tokens per step N"
-    )
-    p.add_argument(
-        "--contexts",
-        default="1024,4096",
-        help="KV tokens each sequence attends to; the first is the fit's",
-    )
+    sizes = "1,2,4,8,16,32,64,96,128,192,256,384,512"
+    p.add_argument("--sizes", default=sizes, help="tokens per step N")
+    what = "KV tokens each sequence attends to; the first is the fit's"
+    p.add_argument("--contexts", default="1024,4096", help=what)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", required=True)
     m = sub.add_parser("modelled", help="MODELLED: the CPU-measured rollouts on a GPU profile")
-    m.add_argument(
-        "--profile", default=None, help="a GPU profile JSON (default: the published-figure one)"
-    )
+    what = "a GPU profile JSON (default: the published-figure one)"
+    m.add_argument("--profile", default=None, help=what)
     args = ap.parse_args(argv)
     if args.command == "profile":
         profile(args)

@@ -80,12 +80,8 @@ def train(args, data: dict) -> None:
     ckpt = latest_checkpoint(out / "checkpoints") if (out / "checkpoints").is_dir() else None
     start = time.time()
     cli(
-        "train",
-        "--config",
-        str(CONFIG),
-        f"iterations={args.iterations}",
-        f"checkpoint_every={args.iterations // 2}",
-        f"out={out}",
+        *("train", "--config", str(CONFIG), f"iterations={args.iterations}"),
+        *(f"checkpoint_every={args.iterations // 2}", f"out={out}"),
         *(["--resume", str(out)] if ckpt else []),
     )
     data["training"] = {
@@ -210,9 +206,10 @@ def reward_agreement(cfg, plain, ours, temperature: float) -> dict:
     }
 
 
-def points(args) -> dict[str, tuple[int, str, str, float]]:
-    """name -> (iteration, policy, its online head, temperature) at the start, middle and
-    end at the recipe's temperature, and at the end at T = 1."""
+def measure(args, data: dict) -> None:
+    """The side-by-side rollouts not saved yet, of the points `name -> (iteration, policy,
+    its online head, temperature)`: at the start, middle and end at the recipe's
+    temperature, and at the end at T = 1."""
     from grpo_specdec.config import load_yaml
     from grpo_specdec.job.config import TrainConfig
     from grpo_specdec.job.models import resolve_model
@@ -221,19 +218,14 @@ def points(args) -> dict[str, tuple[int, str, str, float]]:
     ckpts = Path(args.out) / "checkpoints"
     middle, end = args.iterations // 2, args.iterations
     end_policy = str(ckpts / f"iter_{end:06d}" / "policy")
-    return {
-        "start": (0, resolve_model("smollm2"), resolve_model("smollm2-arith"), recipe_t),
+    initial = resolve_model("smollm2-arith")
+    points = {
+        "start": (0, resolve_model("smollm2"), initial, recipe_t),
         "middle": (middle, str(ckpts / f"iter_{middle:06d}" / "policy"), "", recipe_t),
         "end": (end, end_policy, "", recipe_t),
         END_AT_T1: (end, end_policy, "", 1.0),
     }
-
-
-def measure(args, data: dict) -> None:
-    from grpo_specdec.job.models import resolve_model
-
-    initial = resolve_model("smollm2-arith")
-    for name, (iteration, policy, head, temperature) in points(args).items():
+    for name, (iteration, policy, head, temperature) in points.items():
         if name in data.get("points", {}) or name not in args.points.split(","):
             continue
         head = head or str(Path(policy).parent / "draft")
@@ -377,13 +369,9 @@ def report(data: dict) -> str:
         e = by_eval.get(r["iteration"])
         drafted = any(int(k) > 0 for k in r["k_steps"])
         mal = f"{r['mean_acceptance_length']:.2f}" if drafted else "none drafted (k = 0)"
-        return [r["iteration"], f"{r['reward_mean']:.3f}", f"{r['accuracy']:.3f}"] + [
-            f"{r.get('policy_entropy', float('nan')):.3f}",
-            mal,
-            f"{r.get('draft_top1', float('nan')):.3f}",
-            r.get("draft_policy_lag", "-"),
-            f"{e['accuracy']:.3f}" if e else "",
-        ]
+        cells = [r["iteration"], f"{r['reward_mean']:.3f}", f"{r['accuracy']:.3f}"]
+        cells += [f"{r['policy_entropy']:.3f}", mal, f"{r['draft_top1']:.3f}"]
+        return [*cells, r["draft_policy_lag"], f"{e['accuracy']:.3f}" if e else ""]
 
     learning_table = table([*header, "held-out greedy accuracy"], map(row, records))
     if 0 in by_eval:  # before training: the held-out accuracy alone
@@ -505,27 +493,18 @@ def plot(data: dict) -> None:
     records, evals = data["training"]["records"], data["training"]["evals"]
     its = [r["iteration"] for r in records]
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    axes[0].plot([e["iteration"] for e in evals], [e["accuracy"] for e in evals], "o-")
-    axes[0].fill_between(
-        [e["iteration"] for e in evals],
-        [e["interval"][0] for e in evals],
-        [e["interval"][1] for e in evals],
-        alpha=0.2,
-    )
+    at = [e["iteration"] for e in evals]
+    axes[0].plot(at, [e["accuracy"] for e in evals], "o-")
+    low, high = [e["interval"][0] for e in evals], [e["interval"][1] for e in evals]
+    axes[0].fill_between(at, low, high, alpha=0.2)
     axes[0].plot(its, [r["reward_mean"] for r in records], ":", label="reward (train)")
     axes[0].set(title="held-out greedy accuracy", xlabel="iteration")
     axes[0].legend()
     axes[1].plot(its, [r.get("policy_entropy", float("nan")) for r in records])
     axes[1].set(title="token entropy at T = 1", xlabel="iteration")
-    axes[2].plot(
-        its,
-        [
-            r["mean_acceptance_length"] if any(int(k) > 0 for k in r["k_steps"]) else float("nan")
-            for r in records
-        ],
-        "o-",
-        label="MAL in the rollout (where it drafted)",
-    )
+    drafted = [any(int(k) > 0 for k in r["k_steps"]) for r in records]
+    mal = [r["mean_acceptance_length"] if d else float("nan") for r, d in zip(records, drafted)]
+    axes[2].plot(its, mal, "o-", label="MAL in the rollout (where it drafted)")
     axes[2].plot(its, [r.get("draft_top1", float("nan")) for r in records], label="head top-1")
     axes[2].set(title="the online head", xlabel="iteration")
     axes[2].legend(fontsize=7)
@@ -537,17 +516,10 @@ def plot(data: dict) -> None:
             if name != END_AT_T1
         ]
         if pts:
-            axes[3].errorbar(
-                [i for i, _ in pts],
-                [v["speedup"]["median"] for _, v in pts],
-                yerr=[
-                    [v["speedup"]["median"] - v["speedup"]["low"] for _, v in pts],
-                    [v["speedup"]["high"] - v["speedup"]["median"] for _, v in pts],
-                ],
-                marker="o",
-                capsize=3,
-                label=config,
-            )
+            at, sp = [i for i, _ in pts], [v["speedup"] for _, v in pts]
+            yerr = [[s["median"] - s["low"] for s in sp], [s["high"] - s["median"] for s in sp]]
+            median = [s["median"] for s in sp]
+            axes[3].errorbar(at, median, yerr=yerr, marker="o", capsize=3, label=config)
     axes[3].axhline(1.0, color="grey", lw=0.8)
     axes[3].set(title="speedup vs no spec., natural EOS", xlabel="iteration")
     if data.get("points"):
@@ -564,23 +536,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "runs" / "learning"))
     ap.add_argument("--report-only", action="store_true", help="the study from the saved JSON")
     ap.add_argument("--fresh", action="store_true", help="measure everything again")
-    ap.add_argument(
-        "--points",
-        default=",".join(POINTS),
-        help="which side-by-side rollouts to measure",
-    )
+    what = "which side-by-side rollouts to measure"
+    ap.add_argument("--points", default=",".join(POINTS), help=what)
     protocol_args(ap)
-    ap.add_argument(
-        "--natural-repeats",
-        type=int,
-        default=NATURAL_REPEATS,
-        help="timed natural-EOS rounds per point (at least --repeats)",
-    )
-    ap.add_argument(
-        "--study",
-        default=STUDY,
-        help="the study's name: docs/benchmarks/NAME.md and docs/assets/NAME.json, NAME.png",
-    )
+    what = "timed natural-EOS rounds per point (at least --repeats)"
+    ap.add_argument("--natural-repeats", type=int, default=NATURAL_REPEATS, help=what)
+    what = "the study's name: docs/benchmarks/NAME.md and docs/assets/NAME.json, NAME.png"
+    ap.add_argument("--study", default=STUDY, help=what)
     args = ap.parse_args()
     args.natural_repeats = max(args.natural_repeats, args.repeats)
     STUDY, SAVED = args.study, ASSETS / f"{args.study}.json"

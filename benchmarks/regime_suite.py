@@ -133,41 +133,27 @@ def report(rows: list[dict], starts: list[dict], seconds: float) -> str:
             ([s["trace"], s["profile"], f"{s['ratio']:.3f}"] for s in starts),
         ),
     ]
-    if BEFORE.is_file():
-        lines += before_section(json.loads(BEFORE.read_text()), rows)
-    return "\n".join(lines) + "\n"
-
-
-def before_section(before: list[dict], rows: list[dict]) -> list[str]:
-    """The cases under 404421f's controller beside today's."""
-    now = {(r["trace"], r["profile"]): r for r in rows}
-    met = f"{sum(b['meets'] for b in before)} of {len(before)}"
-    meets = f"{sum(r['meets'] for r in rows)} of {len(rows)}"
-    header = ["trace", "profile", "vs best fixed k: then / now", "vs k = 0: then / now"]
-    return [
-        "",
-        prose("regime_suite", "before", met=met, meets=meets),
-        "",
-        *table(
-            [*header, "vs oracle: then / now"],
-            (
-                [b["trace"], b["profile"]]
-                + [f"{b[g]:.3f} / {now[(b['trace'], b['profile'])][g]:.3f}" for g in GOALS]
-                for b in before
-                if (b["trace"], b["profile"]) in now
+    if BEFORE.is_file():  # the cases under 404421f's controller beside today's
+        before = json.loads(BEFORE.read_text())
+        now = {(r["trace"], r["profile"]): r for r in rows}
+        met = f"{sum(b['meets'] for b in before)} of {len(before)}"
+        meets = f"{sum(r['meets'] for r in rows)} of {len(rows)}"
+        header = ["trace", "profile", "vs best fixed k: then / now", "vs k = 0: then / now"]
+        lines += [
+            "",
+            prose("regime_suite", "before", met=met, meets=meets),
+            "",
+            *table(
+                [*header, "vs oracle: then / now"],
+                (
+                    [b["trace"], b["profile"]]
+                    + [f"{b[g]:.3f} / {now[(b['trace'], b['profile'])][g]:.3f}" for g in GOALS]
+                    for b in before
+                    if (b["trace"], b["profile"]) in now
+                ),
             ),
-        ),
-    ]
-
-
-def stop_ids(engine) -> set[int]:
-    """The tokens that end an answer: the tokenizer's EOS and the generation config's."""
-    ids = {engine.tokenizer.eos_token_id}
-    config = Path(engine.cfg.model) / "generation_config.json"
-    if config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return ids
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def record_rollout(engine, questions, group, temperature, ignore_eos, seed) -> Rollout:
@@ -187,7 +173,11 @@ def record_rollout(engine, questions, group, temperature, ignore_eos, seed) -> R
     drafts = collections.defaultdict(list)
     for request_id, position, drafted, accepted, _ in scheduler.draft_events:
         drafts[request_id.rsplit("-", 1)[0]].append((position, drafted, accepted))
-    eos_ids = stop_ids(engine)
+    eos_ids = {engine.tokenizer.eos_token_id}  # the tokenizer's EOS and the generation config's
+    config = Path(engine.cfg.model) / "generation_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        eos_ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     requests = []
     for prompt, out in zip(prompt_ids, outputs, strict=True):
         tokens = list(out.outputs[0].token_ids)
@@ -203,16 +193,9 @@ def record(args) -> None:
 
     speculative = {"draft": args.draft, "k": args.k, "draft_sampling": "probabilistic"}
     speculative |= {"concurrency_aware": True, "draft_watch": False}
-    engine = Engine(
-        EngineConfig.model_validate(
-            {
-                "model": args.policy,
-                "max_model_len": CAP + 256,
-                "max_num_seqs": args.prompts * args.group,
-                "speculative": speculative,
-            }
-        )
-    )
+    fields = {"model": args.policy, "max_model_len": CAP + 256, "speculative": speculative}
+    fields["max_num_seqs"] = args.prompts * args.group
+    engine = Engine(EngineConfig.model_validate(fields))
     try:
         engine.scheduler().set_policy(FixedPolicy(args.k))
         rollouts = []

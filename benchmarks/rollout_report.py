@@ -153,8 +153,15 @@ def _fixed_summary(fixed: dict, keys: list[str]) -> str:
 
 
 def report(r: dict) -> str:
-    a = r["args"]
-    res = r["results"]
+    a, res = r["args"], r["results"]
+    shares = [
+        s
+        for keyed in res.values()
+        for per in keyed.values()
+        for v in per.values()
+        for s in v.get("others_cpu_share", [])
+        if s is not None
+    ]
     protocol = prose(
         "rollout_throughput",
         "protocol",
@@ -167,7 +174,7 @@ def report(r: dict) -> str:
         c_peak=f"{r['c_peak']:.0f}",
         repeats=a["repeats"],
         note=r.get("machine", {}).get("note", "Others' CPU share: not measured."),
-        busiest=_busiest(r),
+        busiest=f"{max(shares):.1%} of the machine" if shares else "an unmeasured share",
     )
     lines = [protocol, *(["", a["note"]] if a.get("note") else [])]
     fixed = res.get("fixed", {})
@@ -236,18 +243,6 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _busiest(r: dict) -> str:
-    shares = [
-        s
-        for keyed in r["results"].values()
-        for per in keyed.values()
-        for v in per.values()
-        for s in v.get("others_cpu_share", [])
-        if s is not None
-    ]
-    return f"{max(shares):.1%} of the machine" if shares else "an unmeasured share"
-
-
 def _by_source(v: dict) -> str:
     """The 'group / model tokens drafted / accepted' cells of a row (empty without them)."""
     return " | ".join(
@@ -258,35 +253,23 @@ def _by_source(v: dict) -> str:
     )
 
 
-def _endings(r: dict) -> str:
-    endings = r.get("tail_reference_endings", {})
-    n = sum(endings.values())
-    return f"{endings.get('eos', 0)} of {n} ended at EOS there, the rest at their own budget"
-
-
 def _tail_report(per: dict, r: dict) -> list[str]:
     base, tail = per["no spec"], r["tail_shape"]
     fixed = [n for n in per if n.startswith(("k=", "sampled k=")) and not n.startswith("k=0")]
     best_fixed = min(fixed, key=lambda n: per[n]["makespan_s"], default=None)
-    fields = {"endings": _endings(r), "finished": f"{1 - TAIL_FRACTION:.0%}", **tail}
+    endings = r.get("tail_reference_endings", {})
+    fields = {"eos": endings.get("eos", 0), "requests": sum(endings.values()), **tail}
+    fields["finished"] = f"{1 - TAIL_FRACTION:.0%}"
     header = ["config", "makespan s", "speedup", "tail phase s", "tail speedup", "tokens/s"]
     header += ["mean acceptance length", "MAL before EOS", "after EOS"]
     header += ["group tokens drafted / accepted", "model tokens drafted / accepted"]
 
     def row(n: str, v: dict) -> list:
         after_eos, before_eos = v.get("tokens_after_eos"), v.get("mal_before_eos")
-        return [
-            n,
-            f"{v['makespan_s']:.1f}",
-            interval(v),
-            f"{v['tail_s']:.1f}",
-            f"{base['tail_s'] / v['tail_s']:.2f}x",
-            f"{v['tokens_per_s']:.0f}",
-            f"{v['mal']:.2f}",
-            "-" if before_eos is None else f"{before_eos:.2f}",
-            "-" if after_eos is None else f"{after_eos:.0f}",
-            _by_source(v),
-        ]
+        cells = [n, f"{v['makespan_s']:.1f}", interval(v), f"{v['tail_s']:.1f}"]
+        cells += [f"{base['tail_s'] / v['tail_s']:.2f}x", f"{v['tokens_per_s']:.0f}"]
+        cells += [f"{v['mal']:.2f}", "-" if before_eos is None else f"{before_eos:.2f}"]
+        return [*cells, "-" if after_eos is None else f"{after_eos:.0f}", _by_source(v)]
 
     lines = [
         prose("rollout_throughput", "tail", **fields),
@@ -305,33 +288,6 @@ def _tail_report(per: dict, r: dict) -> list[str]:
     return lines
 
 
-def _plot_fixed(plt, fixed: dict, temps: list[str], path: Path) -> None:
-    fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.5), squeeze=False)
-    for ax, temp in zip(axes[0], temps, strict=True):
-        keys = _keys(fixed, temp)
-        bs = [int(k.split("/")[1]) for k in keys]
-        for n in fixed[keys[0]]:
-            style = "-o" if n in ("ours", "no spec", "paper rule", "static table") else ":."
-            ax.plot(
-                bs,
-                [fixed[k][n]["tokens_per_s"] for k in keys],
-                style,
-                label=n,
-                lw=2 if n == "ours" else 1,
-            )
-        ax.set(
-            xscale="log",
-            xlabel="concurrency B",
-            ylabel="generated tokens/s",
-            title=f"Fixed concurrency, {_label(temp)}",
-        )
-        ax.set_xticks(bs, [str(b) for b in bs])
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def plot(r: dict) -> None:
     plt = pyplot()
 
@@ -339,7 +295,21 @@ def plot(r: dict) -> None:
     fixed = r["results"].get("fixed", {})
     temps = sorted({k.split("/")[0] for k in fixed}, key=float)
     if temps:
-        _plot_fixed(plt, fixed, temps, ASSETS / f"{tag}_vs_b.png")
+        fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.5), squeeze=False)
+        for ax, temp in zip(axes[0], temps, strict=True):
+            keys = _keys(fixed, temp)
+            bs = [int(k.split("/")[1]) for k in keys]
+            for n in fixed[keys[0]]:
+                style = "-o" if n in ("ours", "no spec", "paper rule", "static table") else ":."
+                tokens_per_s = [fixed[k][n]["tokens_per_s"] for k in keys]
+                ax.plot(bs, tokens_per_s, style, label=n, lw=2 if n == "ours" else 1)
+            title = f"Fixed concurrency, {_label(temp)}"
+            ax.set(xscale="log", xlabel="concurrency B", ylabel="generated tokens/s", title=title)
+            ax.set_xticks(bs, [str(b) for b in bs])
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(ASSETS / f"{tag}_vs_b.png", dpi=120)
+        plt.close(fig)
 
     timelines = r.get("tail_timelines", {})
     if timelines:

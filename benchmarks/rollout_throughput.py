@@ -65,7 +65,7 @@ from grpo_specdec.tasks.arithmetic import make_problems
 from grpo_specdec.tasks.length_budgets import tail_shape
 from vllm_plugin.acceptance import conditional_from_cumulative
 from vllm_plugin.compat import dense_k_table
-from vllm_plugin.controller import FixedPolicy, LatencyModel, PaperPolicy, profile_latency
+from vllm_plugin.controller import FixedPolicy, PaperPolicy, profile_latency
 from vllm_plugin.patches.features import free_k0_v0_32
 from vllm_plugin.settings import hardware_name
 
@@ -102,23 +102,6 @@ class Config:
     with_history: bool = False  # ... and starts each run from an earlier rollout's answers
 
 
-def run(engine: Engine, prompts: list[str], sampling: SamplingSettings, per_request) -> dict:
-    res = engine.generate(prompts, sampling, **per_request)
-    answers = [s.token_ids for group in res.outputs for s in group]
-    return {
-        "wall_s": res.wall_s,
-        "tokens": res.num_generated_tokens,
-        "tokens_after_eos": tokens_after_eos(answers, engine.tokenizer.eos_token_id),
-        "mean_acceptance_length": res.spec["mean_acceptance_length"],
-        # nothing accepted at all (or nothing drafted): nothing accepted before EOS either
-        **({"mal_before_eos": 1.0} if res.spec["mean_acceptance_length"] == 1.0 else {}),
-        "per_position_acceptance": res.spec.get("per_position_acceptance", []),
-        "scheduled_s": res.scheduled_s,
-        "finished_s": res.finished_s,
-        "lengths": [[len(s.token_ids) for s in group] for group in res.outputs],
-    }
-
-
 def replay_lengths(plain: Engine, workload: tuple, endings: dict) -> tuple:
     """The tail workload with each request's length fixed to what a seeded rollout with no
     speculation gave it (EOS or its budget): every configuration then makes exactly those
@@ -148,30 +131,42 @@ def run_config(
     scheduler, an empty prefix cache (no run reuses another's prefill), and for group
     drafts an empty history (or, with_history, the answers of `history` only).
     `per_request`: Engine.generate's per-prompt seeds and max_tokens."""
-    per_request = per_request or {}
-    config.engine.llm.reset_prefix_cache()
+    engine, scheduler = config.engine, None
+    engine.llm.reset_prefix_cache()
     if config.group:
-        config.engine.group_draft_reset()
+        engine.group_draft_reset()
         if config.with_history and history is not None:
-            config.engine.group_draft_add_history(history)
-    if config.policy is None:
-        out = run(config.engine, prompts, sampling, per_request)
-    else:
-        scheduler = config.engine.scheduler()
+            engine.group_draft_add_history(history)
+    if config.policy is not None:
+        scheduler = engine.scheduler()
         scheduler.set_policy(config.policy() if callable(config.policy) else config.policy)
         mark, before_eos = scheduler.steps_scheduled, Counter(scheduler.verified_before_eos)
-        free_k0_v0_32.ENABLED = config.free_k0
-        try:
-            out = run(config.engine, prompts, sampling, per_request)
-        finally:
-            free_k0_v0_32.ENABLED = True
+    free_k0_v0_32.ENABLED = config.free_k0
+    try:
+        res = engine.generate(prompts, sampling, **(per_request or {}))
+    finally:
+        free_k0_v0_32.ENABLED = True
+    answers = [s.token_ids for group in res.outputs for s in group]
+    out = {
+        "wall_s": res.wall_s,
+        "tokens": res.num_generated_tokens,
+        "tokens_after_eos": tokens_after_eos(answers, engine.tokenizer.eos_token_id),
+        "mean_acceptance_length": res.spec["mean_acceptance_length"],
+        # nothing accepted at all (or nothing drafted): nothing accepted before EOS either
+        **({"mal_before_eos": 1.0} if res.spec["mean_acceptance_length"] == 1.0 else {}),
+        "per_position_acceptance": res.spec.get("per_position_acceptance", []),
+        "scheduled_s": res.scheduled_s,
+        "finished_s": res.finished_s,
+        "lengths": [[len(s.token_ids) for s in group] for group in res.outputs],
+    }
+    if scheduler is not None:
         out["trace"] = [(t, b, k) for t, b, k, _ in scheduler.steps_since(mark)]
         verified = scheduler.verified_before_eos - before_eos
         out["mal_before_eos"] = (
             1 + verified["accepted"] / verified["drafts"] if verified["drafts"] else 1.0
         )
     if config.group:
-        out["group"] = config.engine.group_draft_stats()["sources"]
+        out["group"] = engine.group_draft_stats()["sources"]
     return out
 
 
@@ -189,50 +184,6 @@ def timed_rounds(
     }
     progress = functools.partial(print, f"{label}:", flush=True)
     return run_protocol(runs, repeats=repeats, seed=seed, progress=progress)
-
-
-def group_configs(
-    group_only: Engine, hybrid: Engine, latency: LatencyModel, max_batch: int
-) -> dict[str, Config]:
-    """Drafts from the group's text: alone (no draft model; vLLM's model-free ngram host),
-    and next to the EAGLE head under our controller, each with its own estimator."""
-    scheduler = hybrid.scheduler()
-
-    def hybrid_config(with_history: bool) -> Config:
-        return Config(
-            hybrid,
-            fresh_controller(scheduler, latency, max_batch),
-            group=True,
-            with_history=with_history,
-        )
-
-    return {
-        "group": Config(group_only, group=True),
-        "group +history": Config(group_only, group=True, with_history=True),
-        "ours + group": hybrid_config(False),
-        "ours + group +history": hybrid_config(True),
-    }
-
-
-def sampled_configs(
-    sampled: Engine,
-    sampled_hybrid: Engine | None,
-    latency: LatencyModel,
-    k_max: int,
-    max_batch: int,
-) -> dict[str, Config]:
-    """The same head drafting by sampling (q handed to verification): fixed k and ours,
-    each with its own estimator, priced on the profile of sampled drafting; and ours next
-    to drafts from the group's text (verified one-hot)."""
-    scheduler = sampled.scheduler()
-    configs = {
-        **{f"sampled k={k}": Config(sampled, FixedPolicy(k)) for k in range(1, k_max + 1)},
-        "sampled ours": Config(sampled, fresh_controller(scheduler, latency, max_batch)),
-    }
-    if sampled_hybrid is not None:
-        policy = fresh_controller(sampled_hybrid.scheduler(), latency, max_batch)
-        configs["sampled ours + group"] = Config(sampled_hybrid, policy, group=True)
-    return configs
 
 
 def max_batch_of(args: dict) -> int:
@@ -266,88 +217,86 @@ def named_configs(only: str, known: list[str]) -> tuple[list[str], list[str]]:
     return picked, unknown
 
 
-def compared_configs(
-    plain: Engine, spec: Engine, latency: LatencyModel, table, k_max: int, max_batch: int
-) -> dict[str, Config]:
-    scheduler = spec.scheduler()
+def compared_configs(args, engines: dict[str, Engine], latencies: dict, table) -> dict[str, Config]:
+    """Every configuration on one policy's engines, each with its own estimator: no
+    speculation on the plain engine; k = 0, fixed k, the static tables, the paper's rule and
+    ours on the speculative one; with --group, drafts from the group's text alone (no draft
+    model; vLLM's model-free ngram host) and next to the EAGLE head under our controller;
+    with --sampled, the same head drafting by sampling (q handed to verification), priced on
+    the profile of sampled drafting: fixed k and ours, and ours next to drafts from the
+    group's text (verified one-hot)."""
+    k_max, max_batch, spec = args.k_max, max_batch_of(vars(args)), engines["spec"]
+    latency, examples = latencies["greedy"], VLLM_EXAMPLE_TABLES.values()
 
-    def on_spec(policy) -> Config:
-        return Config(spec, policy)
+    def ours(engine: str, latency):
+        return fresh_controller(engines[engine].scheduler(), latency, max_batch)
 
-    return {
-        "no spec": Config(plain),
-        "k=0 (draft loaded)": on_spec(FixedPolicy(0)),
+    def tabled(table) -> Config:
+        return Config(spec, dense_k_table(table, max_batch, k_max))
+
+    configs = {
+        "no spec": Config(engines["plain"]),
+        "k=0 (draft loaded)": Config(spec, FixedPolicy(0)),
         "k=0, vLLM as shipped": Config(spec, FixedPolicy(0), False),
-        **{f"k={k}": on_spec(FixedPolicy(k)) for k in range(1, k_max + 1)},
-        "static table": on_spec(dense_k_table(table, max_batch, k_max)),
-        **{
-            label: on_spec(dense_k_table(example, max_batch, k_max))
-            for label, example in zip(
-                VLLM_EXAMPLE_TABLES_NAMES, VLLM_EXAMPLE_TABLES.values(), strict=True
-            )
-        },
-        "paper rule": on_spec(PaperPolicy(latency.c_peak, k_max)),
-        "ours": on_spec(fresh_controller(scheduler, latency, max_batch)),
+        **{f"k={k}": Config(spec, FixedPolicy(k)) for k in range(1, k_max + 1)},
+        "static table": tabled(table),
+        **{n: tabled(t) for n, t in zip(VLLM_EXAMPLE_TABLES_NAMES, examples, strict=True)},
+        "paper rule": Config(spec, PaperPolicy(latency.c_peak, k_max)),
+        "ours": Config(spec, ours("spec", latency)),
         # After one rollout (the warm-up), with and without a profile: how near an engine
         # that learns its prices comes to a profiled one.
-        "ours, warmed": on_spec(warmed(fresh_controller(scheduler, latency, max_batch))),
-        "ours, no profile, warmed": on_spec(warmed(fresh_controller(scheduler, None, max_batch))),
+        "ours, warmed": Config(spec, warmed(ours("spec", latency))),
+        "ours, no profile, warmed": Config(spec, warmed(ours("spec", None))),
     }
+    if args.group:
+        group, hybrid = engines["group"], engines["hybrid"]
+        configs |= {
+            "group": Config(group, group=True),
+            "group +history": Config(group, group=True, with_history=True),
+            "ours + group": Config(hybrid, ours("hybrid", latency), group=True),
+            "ours + group +history": Config(
+                hybrid, ours("hybrid", latency), group=True, with_history=True
+            ),
+        }
+    if args.sampled:
+        sampled, priced = engines["sampled"], latencies["probabilistic"]
+        configs |= {f"sampled k={k}": Config(sampled, FixedPolicy(k)) for k in range(1, k_max + 1)}
+        configs["sampled ours"] = Config(sampled, ours("sampled", priced))
+        if args.group:
+            policy = ours("sampled hybrid", priced)
+            configs["sampled ours + group"] = Config(engines["sampled hybrid"], policy, group=True)
+    return configs
 
 
 def main() -> None:
     ap = parser(__doc__)
+    on_off = argparse.BooleanOptionalAction
     ap.add_argument("--k-max", type=int, default=5)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--temperatures", default="0,1", help="fixed-concurrency workloads")
-    ap.add_argument(
-        "--tokens", type=int, default=64, help="tokens per request, fixed-concurrency workload"
-    )
-    ap.add_argument(
-        "--shapes", default=",".join([*SHAPES, "tail"]), help="GRPO shapes to run (and `tail`)"
-    )
-    ap.add_argument(
-        "--only",
-        default="",
-        help="comma-separated configurations to run (no spec always runs); default: all",
-    )
-    ap.add_argument(
-        "--outside",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also the prompts outside the head's training task, at B = 1 and all of them",
-    )
+    what = "tokens per request, fixed-concurrency workload"
+    ap.add_argument("--tokens", type=int, default=64, help=what)
+    what = "GRPO shapes to run (and `tail`)"
+    ap.add_argument("--shapes", default=",".join([*SHAPES, "tail"]), help=what)
+    what = "comma-separated configurations to run (no spec always runs); default: all"
+    ap.add_argument("--only", default="", help=what)
+    what = "also the prompts outside the head's training task, at B = 1 and all of them"
+    ap.add_argument("--outside", action=on_off, default=True, help=what)
     ap.add_argument("--trained-iterations", type=int, default=12)
     ap.add_argument("--trained-lr", type=float, default=1e-4)
-    ap.add_argument(
-        "--group",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also compare drafts from the group's text (alone and with EAGLE)",
-    )
+    what = "also compare drafts from the group's text (alone and with EAGLE)"
+    ap.add_argument("--group", action=on_off, default=True, help=what)
     ap.add_argument("--group-k-max", type=int, default=8, help="longest group-only draft")
-    ap.add_argument(
-        "--sampled",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="also compare the head drafting by sampling (draft_sampling: probabilistic)",
-    )
-    ap.add_argument(
-        "--head", default=None, help="the SmolLM2 policy's head (default: the bootstrapped one)"
-    )
-    ap.add_argument(
-        "--study",
-        default="rollout_throughput",
-        help="the study file to rewrite (docs/benchmarks/STUDY.md); also names its files in "
-        "docs/assets",
-    )
+    what = "also compare the head drafting by sampling (draft_sampling: probabilistic)"
+    ap.add_argument("--sampled", action=on_off, default=False, help=what)
+    what = "the SmolLM2 policy's head (default: the bootstrapped one)"
+    ap.add_argument("--head", default=None, help=what)
+    what = "the study file to rewrite (docs/benchmarks/STUDY.md); also names its files in "
+    ap.add_argument("--study", default="rollout_throughput", help=what + "docs/assets")
     ap.add_argument("--note", default="", help="a paragraph on what this run is for")
-    ap.add_argument(
-        "--fresh-profile",
-        action="store_true",
-        help="measure the latency profiles now, not from the store: the run and its profile "
-        "see the machine in the same state (benchmarks/simulator_validation.py)",
-    )
+    what = "measure the latency profiles now, not from the store: the run and its profile "
+    what += "see the machine in the same state (benchmarks/simulator_validation.py)"
+    ap.add_argument("--fresh-profile", action="store_true", help=what)
     protocol_args(ap)
     args = ap.parse_args()
     machine = quiet_machine(args)
@@ -367,7 +316,8 @@ def main() -> None:
         for drafting in ("greedy", *(["probabilistic"] if args.sampled else []))
     }
     profiles = {drafting: load_json(path) for drafting, path in paths.items()}
-    latency = profile_latency(profiles["greedy"])
+    latencies = {drafting: profile_latency(profile) for drafting, profile in profiles.items()}
+    latency = latencies["greedy"]
     models = {"base": (target, args.head or head)}
     if any(SHAPES[s][0] == "trained" for s in grpo_shapes):
         models["trained"] = trained_policy(args.trained_iterations, args.trained_lr)
@@ -403,36 +353,32 @@ def main() -> None:
         own_workloads = [w for w in workloads if w[2] == name]
         if not own_workloads:
             continue
-        common = dict(
-            model=model, max_model_len=1024, max_num_seqs=max_batch, kv_cache_gib=1.5, seed=0
-        )
-        if any(w[0] == "tail" for w in own_workloads):
-            common["max_model_len"] = TAIL.cap + 256
-        controller = {"policy": "goodput", "profile": str(paths["greedy"])}
-        with_group = {**controller, "group": {"enabled": True}}
+        tail = any(w[0] == "tail" for w in own_workloads)
+        fields = dict(model=model, max_num_seqs=max_batch, kv_cache_gib=1.5, seed=0)
+        fields["max_model_len"] = TAIL.cap + 256 if tail else 1024
 
-        def engine(common=common, **speculative) -> Engine:
-            return Engine(EngineConfig(**common, speculative=speculative or None))
+        def engine(drafting="greedy", group=False, fields=fields, **speculative) -> Engine:
+            """The plain engine (no `speculative`), or one priced on the profile of its
+            drafting, with or without drafts from the group's text."""
+            controller = {"policy": "goodput", "profile": str(paths[drafting])}
+            controller |= {"group": {"enabled": True}} if group else {}
+            speculative = {**speculative, "controller": controller} if speculative else None
+            return Engine(EngineConfig(**fields, speculative=speculative))
 
         eagle = {"draft": draft, "k": args.k_max, "concurrency_aware": True}
-        plain = engine()
-        spec = engine(**eagle, controller=controller)
-        engines = [plain, spec]
+        sampled = {**eagle, "draft_sampling": "probabilistic"}
+        engines = {"plain": engine(), "spec": engine(**eagle)}
+        plain, spec = engines["plain"], engines["spec"]
         own_workloads = [
             replay_lengths(plain, w, tail_endings) if w[0] == "tail" else w for w in own_workloads
         ]
         if args.group:
-            group_only = engine(draft=None, k=args.group_k_max, controller=with_group)
-            hybrid = engine(**eagle, controller=with_group)
-            engines += [group_only, hybrid]
+            engines["group"] = engine(group=True, draft=None, k=args.group_k_max)
+            engines["hybrid"] = engine(group=True, **eagle)
         if args.sampled:
-            sampled_controller = {"policy": "goodput", "profile": str(paths["probabilistic"])}
-            drafting = {**eagle, "draft_sampling": "probabilistic"}
-            sampled_latency = profile_latency(profiles["probabilistic"])
-            sampled = engine(**drafting, controller=sampled_controller)
-            grouped = {**sampled_controller, "group": {"enabled": True}}
-            sampled_hybrid = engine(**drafting, controller=grouped) if args.group else None
-            engines += [sampled, *([sampled_hybrid] if sampled_hybrid else [])]
+            engines["sampled"] = engine("probabilistic", **sampled)
+        if args.sampled and args.group:
+            engines["sampled hybrid"] = engine("probabilistic", True, **sampled)
         # Calibrate the static table the way a user would: measure acceptance once at
         # k_max, on this policy's own GRPO-shaped rollout.
         spec.scheduler().set_policy(FixedPolicy(args.k_max))
@@ -443,13 +389,7 @@ def main() -> None:
         conditional = conditional_from_cumulative(measured["per_position_acceptance"])
         calibration[name] = conditional.tolist()
         tables[name] = recommend_table(latency, conditional, args.k_max, max_batch)
-        configs = compared_configs(plain, spec, latency, tables[name], args.k_max, max_batch)
-        if args.group:
-            configs.update(group_configs(group_only, hybrid, latency, max_batch))
-        if args.sampled:
-            configs.update(
-                sampled_configs(sampled, sampled_hybrid, sampled_latency, args.k_max, max_batch)
-            )
+        configs = compared_configs(args, engines, latencies, tables[name])
         if args.only:
             keep, unknown = named_configs(args.only, list(configs))
             if unknown:
@@ -468,7 +408,7 @@ def main() -> None:
             label, past = f"{name} {workload[0]} {workload[1]}", history.get(workload[:2])
             timed = timed_rounds(configs, workload, args.repeats, args.order_seed + w, label, past)
             results.setdefault(workload[0], {})[workload[1]] = timed
-        for e in engines:
+        for e in engines.values():
             e.shutdown()
 
     tail_runs = results["tail"]["tail"].runs if "tail" in results else {}

@@ -151,18 +151,10 @@ def current_configs(run: str, data: dict) -> list[Repeats]:
                 workloads = [
                     Workload(np.array(n, dtype=float), prompt_lengths, temperature) for n in lengths
                 ]
+                own = np.asarray(own or at_k_max, dtype=float)
+                at = np.asarray(at_k_max, dtype=float)
                 rows.append(
-                    Repeats(
-                        run,
-                        section,
-                        key,
-                        config,
-                        v["wall_s_runs"],
-                        workloads,
-                        model,
-                        np.asarray(at_k_max, dtype=float),
-                        np.asarray(own or at_k_max, dtype=float),
-                    )
+                    Repeats(run, section, key, config, v["wall_s_runs"], workloads, model, at, own)
                 )
     return rows
 
@@ -184,16 +176,9 @@ def predict_repeats(
         MeasuredSteps.from_profile(profile),
         less_draft=latency.draft if cost.draft == NO_COST else NO_COST,
     )
-    args = (cost, conditional)
+    run = functools.partial(drawn_replay, draws) if draws else replay
     later = (policy, costs, shipped_k0, steps)
-    return np.array(
-        [
-            (
-                drawn_replay(draws, *args, w, *later) if draws else replay(*args, w, *later)
-            ).makespan_s
-            for w in r.workloads
-        ]
-    )
+    return np.array([run(cost, conditional, w, *later).makespan_s for w in r.workloads])
 
 
 def verdict(errors: list) -> str:
@@ -274,12 +259,8 @@ def main() -> None:
     stored = {p.stem: load_json(p) for p in sorted(ASSETS.glob("rollout_*.json"))}
     current = {run: data for run, data in stored.items() if "profiles" in data}
     text = prose("simulator", "intro") + "\n\n" + current_report(current)
-    write_study(
-        "simulator",
-        "Rollout simulator vs the measured runs (SmolLM2-135M, CPU)",
-        text,
-        "simulator_validation.py",
-    )
+    title = "Rollout simulator vs the measured runs (SmolLM2-135M, CPU)"
+    write_study("simulator", title, text, "simulator_validation.py")
     print(text)
 
 
