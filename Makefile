@@ -87,7 +87,7 @@ test-fast: setup
 # that 10 iterations show it learning; on levels 1-2 it needs 15-25), for 10 iterations
 # instead of 25, with 3 natural-EOS rounds in the comparison instead of 5.
 demo: setup
-	@echo "make demo: 20-40 minutes on 2 CPU cores (21.5 on a Xeon with AMX, 24.7 on an AMD EPYC with AVX512-BF16, set-up included; about 42 on an AMD EPYC without bfloat16, which serves and trains in float32): 10 GRPO iterations, then the held-out evaluation and the comparison"
+	@echo "make demo: 20-66 minutes on 2 CPU cores (21.5 on a Xeon with AMX, 24.7 on an AMD EPYC with AVX512-BF16, set-up included; 40-66 on an AMD EPYC without bfloat16, which serves and trains in float32, the longer when the policy's answers grow): 10 GRPO iterations, then the held-out evaluation and the comparison"
 	$(RUN) $(PY) -m grpo_specdec train --config configs/smollm2_arith.yaml \
 		iterations=10 checkpoint_every=10 'data.levels=[1]' compare.natural_repeats=3 \
 		out=runs/demo-$$(date +%Y%m%d-%H%M%S) compare_at_end=true
