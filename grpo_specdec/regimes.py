@@ -236,7 +236,7 @@ XEON_NO_BF16 = LatencyModel(HingeLatency(29.2, 1.76, 0.0), LinearCost(1.25, 0.0)
 
 
 def known_costs(assets: Path) -> list[Costs]:
-    """The three CPU profiles we know and the modelled GPU roofline."""
+    """The CPU profiles we know (three measured, one modelled) and the modelled GPU roofline."""
     read = lambda name: json.loads((assets / name).read_text())  # noqa: E731
     gpu = read("gpu_profile_published_llama31_8b.json")
     return [
@@ -244,6 +244,9 @@ def known_costs(assets: Path) -> list[Costs]:
         profile_costs(
             "EPYC (AVX512-BF16)", read("rollout_throughput_epyc.json")["profiles"]["greedy"]
         ),
+        # float32 SmolLM2 on AVX2, drafts sampled (`grpo-specdec profile --draft-sampling
+        # probabilistic`): the machine the demo ran on at c26e5a5
+        profile_costs("EPYC, no bf16 (float32, AVX2)", read("profile_epyc_no_bf16.json")),
         model_costs("Xeon, no bf16 (modelled)", XEON_NO_BF16),
         model_costs("GPU, Llama-3.1-8B (modelled)", profile_latency(gpu)),
     ]
