@@ -245,7 +245,7 @@ def known_costs(assets: Path) -> list[Costs]:
             "EPYC (AVX512-BF16)", read("rollout_throughput_epyc.json")["profiles"]["greedy"]
         ),
         # float32 SmolLM2 on AVX2, drafts sampled (`grpo-specdec profile --draft-sampling
-        # probabilistic`): the machine the demo ran on at c26e5a5
+        # probabilistic`): the machine of the float32 demos (docs/benchmarks/demo.md)
         profile_costs("EPYC, no bf16 (float32, AVX2)", read("profile_epyc_no_bf16.json")),
         model_costs("Xeon, no bf16 (modelled)", XEON_NO_BF16),
         model_costs("GPU, Llama-3.1-8B (modelled)", profile_latency(gpu)),
