@@ -56,8 +56,15 @@ def ray_head(commands):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        # jobs submitted to it find grpo-specdec where the README's shell would
-        env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"},
+        env={
+            **os.environ,
+            # jobs submitted to it find grpo-specdec where the README's shell would
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            # The raylet gives its dashboard agent 30 s to write its port file and then
+            # aborts; beside the other xdist worker's vLLM engine a 2-core machine's agent took
+            # longer, and the head ran on with no live node ("No node info found").
+            "RAY_agent_register_timeout_ms": "300000",
+        },
     )
     token = {**os.environ, "RAY_AUTH_MODE": "token"}  # as the README's `ray job` commands
     dashboard_url = f"http://127.0.0.1:{dashboard}"
