@@ -109,7 +109,7 @@ def test_draft_probabilities_in_a_reduced_vocabulary_read_as_dense_ones():
     logits = torch.randn(rows, vocab) * 2
     reduced = torch.randn(rows, len(vocab_ids)).softmax(-1)
     dense = fast.to_target_vocab(reduced, vocab_ids, vocab)
-    setattr(reduced, fast.VOCAB_IDS_ATTR, vocab_ids)
+    fast.hand_on(reduced, fast.DraftLayout(vocab_ids))
     outs = [_draws(drafts, logits, q) for q in (dense, reduced)]
     assert torch.equal(outs[0], outs[1])
     assert len({tuple(r) for r in outs[0].tolist()}) > 20  # rejections and recoveries happen
@@ -134,8 +134,7 @@ def test_rows_flagged_one_hot_verify_their_draft_as_chosen_outright():
         fast.with_one_hot_rows(fast.to_target_vocab(reduced, vocab_ids, vocab), flagged, tokens),
         dense,
     )
-    setattr(reduced, fast.VOCAB_IDS_ATTR, vocab_ids)
-    setattr(reduced, fast.ONE_HOT_ATTR, flagged)
+    fast.hand_on(reduced, fast.DraftLayout(vocab_ids, flagged))
     outs = [_draws(drafts, logits, q) for q in (dense, reduced)]
     assert torch.equal(outs[0], outs[1])
     # Request 4's draft [39, 5], token 5 outside the head's vocabulary: both kept exactly

@@ -85,7 +85,7 @@ def test_reduced_vocabulary_q_reaches_verification_in_its_own_vocabulary(
 
     def spy(*args, **kwargs):
         draft_probs = args[4]
-        seen.append((draft_probs.shape[-1], getattr(draft_probs, rejection.VOCAB_IDS_ATTR, None)))
+        seen.append((draft_probs.shape[-1], rejection.layout_of(draft_probs).vocab_ids))
         return rejection.rejection_sample(*args, **kwargs)
 
     monkeypatch.setattr(rejection_sampler, "rejection_sample", spy)

@@ -12,7 +12,7 @@ that is 50 ms per draft position at 64 sequences, 6 ms at 8 (greedy drafting: 1.
 Here a head with a reduced vocabulary keeps q in its own vocabulary (softmax over its
 tokens, one float64 uniform per row by inverse CDF, the token mapped to the target's
 ids); q travels as [batch, k, draft vocabulary], and the runner hands the rejection
-sampler the head's token ids with it (`VOCAB_IDS_ATTR` on the tensor), which
+sampler the head's token ids with it (`hand_on`, a `DraftLayout`), which
 `cpu_rejection_sample_v0_32` reads. A full-vocabulary head samples by inverse CDF too (no
 exponential draw). A greedy draft from a reduced vocabulary is the argmax of the head's
 own logits (the same token, without the scatter). Each draft token is a sample of exactly
@@ -28,8 +28,8 @@ import torch
 from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 from vllm_plugin.patches.features.group_drafts_v0_32 import ONE_HOT_REQS_ATTR
 from vllm_plugin.patches.fixes.cpu_rejection_sample_v0_32 import (
-    ONE_HOT_ATTR,
-    VOCAB_IDS_ATTR,
+    DraftLayout,
+    hand_on,
     inverse_cdf,
 )
 
@@ -86,18 +86,21 @@ def _sample_draft_tokens(self, hidden_states, sampling_metadata):
 
 def _get_spec_decode_draft_probs(self, spec_decode_metadata):
     q = _get_spec_decode_draft_probs._grpo_original(self, spec_decode_metadata)
-    vocab_ids = None if q is None else head_vocab_ids(self.drafter.model)
-    if vocab_ids is not None and q.shape[-1] == len(vocab_ids):
-        setattr(q, VOCAB_IDS_ATTR, vocab_ids)
-    one_hot_reqs = getattr(self, ONE_HOT_REQS_ATTR, ())
-    if q is not None and one_hot_reqs:
+    if q is None:
+        return q
+    vocab_ids = head_vocab_ids(self.drafter.model)
+    if vocab_ids is not None and q.shape[-1] != len(vocab_ids):
+        vocab_ids = None
+    one_hot, one_hot_reqs = None, getattr(self, ONE_HOT_REQS_ATTR, ())
+    if one_hot_reqs:
         # The group's drafts among them: one flag per draft token, in q's row order.
         flags = [
             req_id in one_hot_reqs
             for req_id, n in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens)
             for _ in range(n)
         ]
-        setattr(q, ONE_HOT_ATTR, torch.tensor(flags, dtype=torch.bool, device=q.device))
+        one_hot = torch.tensor(flags, dtype=torch.bool, device=q.device)
+    hand_on(q, DraftLayout(vocab_ids, one_hot))
     return q
 
 

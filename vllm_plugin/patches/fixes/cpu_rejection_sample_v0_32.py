@@ -15,11 +15,11 @@ the request's own generator when it has one. Batches that mix greedy and sampled
 requests, and synthetic acceptance, go to vLLM's own implementation.
 
 Draft probabilities may come in a reduced draft vocabulary (`cpu_sampled_drafts_v0_32`):
-then the tensor carries the target ids of its columns (`VOCAB_IDS_ATTR`) and q is read
-through them, zero elsewhere. A padded draft has no q behind it: its recovered token
-comes from p whatever its q row holds. Rows the tensor flags one-hot (`ONE_HOT_ATTR`: the
-group's drafts in a batch of sampled ones, `group_drafts_v0_32`) are a deterministic
-draft: accepted with probability p(x), else a token from p without x.
+then the runner hands on, with that very tensor, a `DraftLayout` (`hand_on`) naming the
+target ids of its columns, and q is read through them, zero elsewhere. A padded draft has
+no q behind it: its recovered token comes from p whatever its q row holds. Rows the layout
+flags one-hot (the group's drafts in a batch of sampled ones, `group_drafts_v0_32`) are a
+deterministic draft: accepted with probability p(x), else a token from p without x.
 
 `use_fp64_gumbel` asks for float64 sampling noise; this path draws and accumulates in
 float64 whatever its value, so the flag is met without being read.
@@ -27,18 +27,44 @@ float64 whatever its value, so the flag is met without being read.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 
 from vllm_plugin.patches import running_on_cpu, runs_v1_model_runner
 
 TARGET_VERSIONS = ("0.32.0", "0.33.0")
 NEEDS_V1_RUNNER = True  # acts only in engines on Model Runner V1
-# Attribute of a draft-probabilities tensor in a reduced vocabulary: its columns' target ids.
-VOCAB_IDS_ATTR = "grpo_vocab_ids"
-# Attribute of a draft-probabilities tensor: a bool per row, True where the draft token was
-# not sampled from a q but chosen outright (its q is one-hot at it, whatever the row holds).
-ONE_HOT_ATTR = "grpo_one_hot_rows"
 _original = None
+
+
+@dataclass(frozen=True)
+class DraftLayout:
+    """How to read a draft-probabilities tensor other than vLLM's [drafts, target vocab]."""
+
+    vocab_ids: torch.Tensor | None = None  # its columns' target ids (a reduced vocabulary)
+    # a bool per row: the draft token was chosen outright, not sampled from a q (its q is
+    # one-hot at it, whatever the row holds)
+    one_hot: torch.Tensor | None = None
+
+
+# The layout of the one q in flight: the runner makes q and verification reads it in the
+# same step of the same process, so one slot, tied to the tensor itself, is enough.
+_handed: tuple[weakref.ref, DraftLayout] | None = None
+
+
+def hand_on(draft_probs: torch.Tensor, layout: DraftLayout) -> None:
+    """Pass `layout` on with `draft_probs` to the rejection sampler."""
+    global _handed
+    _handed = (weakref.ref(draft_probs), layout)
+
+
+def layout_of(draft_probs: torch.Tensor | None) -> DraftLayout:
+    """The layout handed on with this very tensor (vLLM's own where none was)."""
+    if draft_probs is not None and _handed is not None and _handed[0]() is draft_probs:
+        return _handed[1]
+    return DraftLayout()
 
 
 def rejection_sample(
@@ -57,8 +83,8 @@ def rejection_sample(
 ):
     """vLLM's `rejection_sample`; `fly` holds 0.33's FLy arguments (`fly_window_size`, ...),
     which vLLM refuses on CPU and this path hands to vLLM's own implementation."""
-    vocab_ids = getattr(draft_probs, VOCAB_IDS_ATTR, None)
-    one_hot = getattr(draft_probs, ONE_HOT_ATTR, None)
+    layout = layout_of(draft_probs)
+    vocab_ids, one_hot = layout.vocab_ids, layout.one_hot
     if synthetic_mode or not sampling_metadata.all_random or fly.get("fly_window_size") is not None:
         if vocab_ids is not None:
             draft_probs = to_target_vocab(draft_probs, vocab_ids, target_logits.shape[1])
