@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.regime_suite import GOALS, K_MAX, TRACES, all_traces
 from grpo_specdec.regimes import (
+    FIRST_ROLLOUT_SLOWER,
     Request,
     cases,
     known_costs,
@@ -26,16 +27,28 @@ CASES = cases(TRACE_LIST, PROFILES)
 # Goals this controller misses today, as docs/benchmarks/regime_suite.md reports them:
 # strict, so that a change that meets one has to say so here.
 MISSED = {
-    "synthetic: bulk p=0.85, tail p=0.2, x10 | Xeon (AMX)": "0.947 of the oracle",
-    "end | EPYC (AVX512-BF16), costs 1.1-1.25x": "0.979 of k = 0",
+    "end_f32 | Xeon (AMX)": "0.979 of the best fixed k",
+    "synthetic: bulk p=0.85, tail p=0.2, x10 | Xeon (AMX), costs 1.1-1.25x": "0.949 of the oracle",
+    "synthetic: bulk p=0.85, tail p=0.2, x10 | EPYC (AVX512-BF16)": "0.948 of the oracle",
+    "end | EPYC (AVX512-BF16), costs 1.1-1.25x": "0.977 of k = 0",
     "synthetic: bulk p=0.85, tail p=0.2, x10 | EPYC, no bf16 (float32, AVX2)": (
-        "0.979 of k = 0, 0.941 of the oracle"
+        "0.979 of k = 0, 0.942 of the oracle"
     ),
     "synthetic: bulk p=0.85, tail p=0.2, x10 | EPYC, no bf16 (float32, AVX2), costs 1.1-1.25x": (
-        "0.968 of k = 0"
+        "0.972 of k = 0"
+    ),
+    "synthetic: bulk p=0.85, tail p=0.2, x10 | GPU, Llama-3.1-8B (modelled)": (
+        "0.979 of the best fixed k"
     ),
 }
-NO_PROFILE_MISSED = {"untrained_t1 | EPYC, no bf16 (float32, AVX2)": "0.940 of the profiled engine"}
+NO_PROFILE_MISSED = {
+    "untrained_t1 | EPYC, no bf16 (float32, AVX2)": "0.936 of the profiled engine",
+    "synthetic: bulk p=0.85, tail p=0.2, x10 | GPU, Llama-3.1-8B (modelled)": "0.939",
+    "start | GPU, Llama-3.1-8B (modelled), first rollout 1.8x slower": "0.949",
+    "untrained_t1 | GPU, Llama-3.1-8B (modelled), first rollout 1.8x slower": "0.935",
+    "synthetic: p 0.85 -> 0.2 -> 0.85 across swaps | GPU, Llama-3.1-8B (modelled), "
+    "first rollout 1.8x slower": "0.940",
+}
 
 
 def _case(trace, costs, missed: dict):
@@ -61,12 +74,30 @@ def test_ours_keeps_up_in_every_regime(trace, costs):
     assert not missed, f"{trace.name} on {costs.name}: {missed} (goals {GOALS})"
 
 
-STARTS = [_case(t, c, NO_PROFILE_MISSED) for t in TRACE_LIST for c in PROFILES]
+def _start(trace, costs, first_slower: float):
+    name = f"{trace.name} | {costs.name}"
+    if first_slower != 1.0:
+        name += f", first rollout {first_slower:g}x slower"
+    marks = []
+    if name in NO_PROFILE_MISSED:
+        reason = f"goal missed today: {NO_PROFILE_MISSED[name]}"
+        marks = [pytest.mark.xfail(strict=True, reason=reason)]
+    return pytest.param(trace, costs, first_slower, id=name, marks=marks)
 
 
-@pytest.mark.parametrize("trace, costs", STARTS)
-def test_an_engine_without_a_profile_catches_up_within_a_rollout(trace, costs):
-    assert no_profile_ratio(trace, costs, K_MAX) >= 0.95
+STARTS = [
+    _start(t, c, first_slower)
+    for t in TRACE_LIST
+    for c in PROFILES
+    for first_slower in (1.0, FIRST_ROLLOUT_SLOWER)
+]
+
+
+@pytest.mark.parametrize("trace, costs, first_slower", STARTS)
+def test_an_engine_without_a_profile_catches_up_within_a_rollout(trace, costs, first_slower):
+    """Also where the first rollout, in which it learns its prices, runs every step slower
+    than the later ones (as an engine's first rollout does on the EPYC)."""
+    assert no_profile_ratio(trace, costs, K_MAX, first_slower) >= 0.95
 
 
 def test_a_draft_covers_the_positions_it_made_and_a_whole_chain_goes_on():

@@ -105,8 +105,10 @@ class GoodputController:
 
     def restart(self) -> None:
         """The weights changed or a new wave of requests began: the pool's evidence becomes
-        a prior (the costs are the machine's and stay)."""
+        a prior; the costs are the machine's and stay, moved by what this wave's steps show
+        (`StepCosts.new_wave`)."""
         self.acceptance.restart()
+        self.costs.new_wave()
         self.drafted_at[:] = self.steps - self.probe_interval
 
     def forget(self, running: Sequence[str]) -> None:

@@ -26,6 +26,16 @@ as many tokens; the nearest B timed where that one was not): the k = 0 steps a r
 makes as its batch drains chart the roofline, and the controller's probes add what
 drafting itself costs. Before any step is timed no draft short of certain acceptance
 pays, so the engine starts at k = 0.
+
+The machine itself changes between waves of requests (rollouts): an engine's first rollout
+runs every step 1.7-1.9x slower than its later ones (measured on the EPYC without
+bfloat16, k = 0 at every B; caches and memory cold). A cell the controller stopped timing
+there (k = 0 at the B where it then drafted) kept that price, and drafting looked cheap
+against it for good. So each wave (`new_wave`) measures its `shift`: how much its steps
+cost over what the same cells cost before it (the mean log-change over the cells timed
+both before and in this wave, weighted by this wave's steps and shrunk with
+`shrink_shift` steps' weight toward none), and a cell not yet timed in this wave is priced
+as it was plus that shift (and keeps it when it is).
 """
 
 from __future__ import annotations
@@ -53,18 +63,39 @@ class StepCosts:
         shrink: float | None = None,
         clip: float = 0.5,
         settled: float = 2.0,
+        shrink_shift: float = 8.0,
     ):
         self.base = base or UNPROFILED
         self.profiled = base is not None
         # A profile is a prior worth 8 steps a cell; the compute-bound guess, one.
         self.shrink = shrink if shrink is not None else (8.0 if self.profiled else 1.0)
         self.k_max, self.memory = k_max, memory
-        self.clip, self.settled = clip, settled
+        self.clip, self.settled, self.shrink_shift = clip, settled, shrink_shift
         buckets = bucket(max_batch) + 1
         # [k, b] faded sums of log-ratios (measured over base) and their weights.
         self.sums = np.zeros((k_max + 1, buckets))
         self.weights = np.zeros((k_max + 1, buckets))
         self._ks = np.arange(k_max + 1, dtype=float)
+        # This wave's own steps per cell (log-ratio sums, counts) and each cell's mean
+        # before the wave began (nan: not timed before it, or not yet in it).
+        self.wave_sums = np.zeros_like(self.sums)
+        self.wave_weights = np.zeros_like(self.sums)
+        self.before_wave = np.full_like(self.sums, np.nan)
+
+    def new_wave(self) -> None:
+        """A new wave of requests (or weights) begins: its steps say anew what the machine does."""
+        self.wave_sums[:] = 0.0
+        self.wave_weights[:] = 0.0
+        self.before_wave[:] = np.nan
+
+    def shift(self) -> float:
+        """What this wave's steps cost over what the same cells cost before it (log)."""
+        both = (self.wave_weights > 0) & ~np.isnan(self.before_wave)
+        if not both.any():
+            return 0.0
+        change = self.wave_sums[both] / self.wave_weights[both] - self.before_wave[both]
+        weights = self.wave_weights[both]
+        return float((change * weights).sum() / (weights.sum() + self.shrink_shift))
 
     def _bucket(self, batch: int) -> int:
         return min(bucket(batch), self.sums.shape[1] - 1)
@@ -77,7 +108,9 @@ class StepCosts:
 
     def corrections(self, batch: int) -> np.ndarray:
         """correction[k, b] for every k at `batch`."""
-        shrink, sums, weights = self.shrink, self.sums, self.weights
+        shrink, weights = self.shrink, self.weights
+        # A cell not timed this wave moves as the cells timed both before and in it did.
+        sums = self.sums + self.shift() * weights * (self.wave_weights == 0)
         b = self._bucket(batch)
         per_k = np.zeros(self.k_max + 1)  # k's mean over every range of B
         cell = np.zeros(self.k_max + 1)
@@ -87,11 +120,11 @@ class StepCosts:
             if self.profiled:
                 toward = per_k[0] if k == 0 else cell[k - 1] + per_k[k] - per_k[k - 1]
             else:
-                toward = self._k0_at(batch * (k + 1), per_k[0])
+                toward = self._k0_at(sums, batch * (k + 1), per_k[0])
             cell[k] = (sums[k, b] + shrink * toward) / (weights[k, b] + shrink)
         return cell
 
-    def _k0_at(self, tokens: int, default: float) -> float:
+    def _k0_at(self, sums: np.ndarray, tokens: int, default: float) -> float:
         """With no profile (a base of one unit per token), what a token costs in a k = 0
         step of `tokens` sequences: as timed in that range of B, else interpolated in
         log2 B between the nearest ranges timed below and above it (beyond them, the
@@ -104,7 +137,7 @@ class StepCosts:
         if not len(timed):
             return default
         at = min(math.log2(max(tokens, 1)), float(self.sums.shape[1] - 1))
-        means = self.sums[0, timed] / self.weights[0, timed]
+        means = sums[0, timed] / self.weights[0, timed]
         return float(np.interp(at, timed.astype(float), means))
 
     def step_ms(self, batch: int, context: float | None = None) -> np.ndarray:
@@ -121,6 +154,11 @@ class StepCosts:
         ratio = math.log(ms / float(self.base.step_ms(batch, k, context)))
         if self.weights[k, b] >= self.settled:
             ratio = min(max(ratio, held - self.clip), held + self.clip)
+        if self.wave_weights[k, b] == 0 and self.weights[k, b] > 0:
+            self.before_wave[k, b] = self.sums[k, b] / self.weights[k, b]
+            self.sums[k, b] += self.shift() * self.weights[k, b]  # as priced until now
+        self.wave_sums[k, b] += ratio
+        self.wave_weights[k, b] += 1.0
         fade = 1.0 - 1.0 / self.memory
         self.sums[k, b] = fade * self.sums[k, b] + ratio
         self.weights[k, b] = fade * self.weights[k, b] + 1.0
