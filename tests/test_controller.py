@@ -453,6 +453,23 @@ def test_never_far_from_the_best_fixed_k(latency, batch, acceptance):
         assert sum(k > 0 for k in ks) >= 0.9 * len(ks)
 
 
+def test_acceptance_falling_with_depth_does_not_buy_deeper_drafts():
+    # Few drafts reach the deep positions, so their evidence is thin: a bound on each of
+    # them (as position 0 has) priced depth the steps did not repay, and ran one k deeper
+    # than the best in 27% of these steps (measured; 12% now, probes included).
+    conditional = [0.7, 0.45] + [0.3] * (K_MAX - 2)
+    deeper = total = 0
+    for latency in (XEON_NO_BF16, CPU_PROFILE):
+        for batch in (1, 2, 4, 16):
+            speed, best, ks = rollout(latency, batch, conditional, 1500, seed=batch)
+            ms = latency.step_ms(batch, np.arange(K_MAX + 1))
+            best_k = int(np.argmax(expected_tokens(np.asarray(conditional)) / ms))
+            assert speed >= 0.98 * best
+            deeper += sum(k > best_k for k in ks)
+            total += len(ks)
+    assert deeper <= 0.2 * total
+
+
 def test_a_sharpened_policy_still_drafts_at_large_batches():
     # acceptance 0.8 at B = 32 on the flat profile: deep drafts pay; a fresh estimator at
     # the prior finds that and keeps drafting

@@ -4,9 +4,10 @@ the scheduler (vllm_plugin/scheduler.py) and by the simulator's regime suite ali
 
     k* = argmax_k  E_running[tokens | k] / step_ms(B, k, c)
 
-E_running is the running requests' own acceptance shrunk toward the pool's, at an upper
-confidence bound (`AcceptanceEstimator.running_tokens`); step_ms the profile corrected by
-the engine's timed steps (`StepCosts`).
+E_running is the running requests' own acceptance shrunk toward the pool's, the pool's
+first position at an upper confidence bound (`AcceptanceEstimator.running_tokens`,
+`optimistic_conditional`); step_ms the profile corrected by the engine's timed steps
+(`StepCosts`).
 
 Evidence only comes from what is drafted, and nothing fades with time alone, so a k one
 token deeper than k* is probed when the controller has not run it for `probe_interval`

@@ -79,7 +79,10 @@ class ControllerSettings(BaseModel):
         "them; false: price every step as the profile says",
     )
     acceptance_optimism: float = Field(
-        1.0, ge=0, description="standard errors above the acceptance estimate k is chosen on"
+        1.0,
+        ge=0,
+        description="standard errors above the first draft position's acceptance estimate "
+        "k is chosen on (deeper positions: their estimates)",
     )
     trace_steps: int = Field(100_000, ge=0, description="per-step (time, B, k) records kept")
     group: GroupDraftSettings = GroupDraftSettings()
