@@ -12,8 +12,10 @@ step, then decode steps over the requests still running, each at the k its polic
 chooses, each request advancing by min(run, k) + 1 tokens. A step costs what the profile's
 own timed steps say (`MeasuredSteps`) plus what the profile does not time (sampling at
 T > 0), times `cost_scale(k)`; our controller is handed back what the scheduler would
-hand it: each verified draft (flagged past EOS where it is), each step's time with
-noise, a restart at each rollout (the job swaps weights between rollouts).
+hand it: each verified draft (flagged past EOS where it is), each step's time strayed as
+a busy 2-core host strays it (`StepNoise`, measured: slow spells that last tens of steps,
+so that a price timed in one spell is off in the next), a restart at each rollout (the
+job swaps weights between rollouts).
 
 Policies: ours (`GoodputController` on the profile's fitted model, or with no profile),
 every fixed k, and an oracle that knows each request's true acceptance near its position
@@ -45,12 +47,39 @@ from vllm_plugin.controller import (
 from vllm_plugin.goodput_controller import GoodputController
 
 ORACLE_WINDOW = 16  # output positions over which the oracle knows a request's acceptance
-NOISE = 0.1  # log-normal spread of the step times the controller is handed
 MAX_RUN = 16
 # An engine's first rollout runs every step 1.7-1.9x slower than its later ones (measured on
 # the EPYC without bfloat16, at every B, k = 0: caches and allocator cold): an engine that
 # learns its prices there must not keep them.
 FIRST_ROLLOUT_SLOWER = 1.8
+
+
+@dataclass(frozen=True)
+class StepNoise:
+    """How the step times the controller is handed stray from what the steps cost, in log:
+    a per-rollout offset, and within a rollout a slow part (AR(1), `slow_phi` per step)
+    plus white noise. Measured on the EPYC without bfloat16 (10 natural-EOS rounds of the
+    float32 demo's end point, 13,361 steady steps against their configuration's median at
+    the same B and k): offsets sd 0.07; within a rollout sd 0.105, autocorrelated 0.69,
+    0.55, 0.37, 0.25, 0.15 at lags 1, 2, 5, 10, 20 steps. Slow noise is what misleads a
+    learner of prices: a cell timed in a slow spell keeps its price after the spell ends."""
+
+    rollout_sd: float = 0.07
+    slow_sd: float = 0.09  # 0.75 of the within-rollout variance
+    slow_phi: float = 0.9
+    white_sd: float = 0.053
+
+    def draws(self, rng: np.random.Generator):
+        """One rollout's noise, step after step (log)."""
+        offset = self.rollout_sd * rng.normal()
+        slow = self.slow_sd * rng.normal()
+        spread = self.slow_sd * math.sqrt(1.0 - self.slow_phi**2)
+        while True:
+            yield offset + slow + self.white_sd * rng.normal()
+            slow = self.slow_phi * slow + spread * rng.normal()
+
+
+NOISE = StepNoise()
 
 
 @dataclass
@@ -280,15 +309,23 @@ class Result:
 
 
 def replay(
-    trace: Trace, costs: Costs, policy, k_max: int, seed: int = 0, rollouts: slice = slice(None)
+    trace: Trace,
+    costs: Costs,
+    policy,
+    k_max: int,
+    seed: int = 0,
+    rollouts: slice = slice(None),
+    noise: StepNoise | None = None,
 ) -> Result:
     """Replay `trace`'s rollouts one after another under `policy` (a Policy, a
     `GoodputController`, fed back as the scheduler feeds it, or an `Oracle`)."""
     rng = np.random.default_rng(seed)
+    noise = noise or NOISE
     controller = policy if hasattr(policy, "drafts_verified") else None
     total_ms, tokens, k_steps = 0.0, 0, {}
     for rollout in trace.rollouts[rollouts]:
         world = World(rollout.requests, k_max)
+        timing = noise.draws(rng)
         n = len(world.outputs)
         ids = np.array([f"r{i}" for i in range(n)])
         position = np.ones(n, dtype=np.int64)  # the prefill step makes each first token
@@ -314,7 +351,7 @@ def replay(
                     before = position[running] <= world.eos[running]
                     for r, a, ok in zip(running, accepted, before):
                         controller.drafts_verified(ids[r], k, int(a), bool(ok))
-                controller.step_timed(batch, k, context, ms * math.exp(NOISE * rng.normal()))
+                controller.step_timed(batch, k, context, ms * math.exp(next(timing)))
             made = np.minimum(accepted + 1, world.outputs[running] - position[running])
             position[running] += made
             contexts[running] += made

@@ -6,11 +6,13 @@ a profile catches up within a rollout. benchmarks/regime_suite.py prints the tab
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from benchmarks.regime_suite import GOALS, K_MAX, TRACES, all_traces
 from grpo_specdec.regimes import (
     FIRST_ROLLOUT_SLOWER,
+    NOISE,
     Request,
     cases,
     known_costs,
@@ -27,16 +29,25 @@ CASES = cases(TRACE_LIST, PROFILES)
 # Goals this controller misses today, as docs/benchmarks/regime_suite.md reports them:
 # strict, so that a change that meets one has to say so here.
 MISSED = {
+    "end | Xeon (AMX)": "0.976 of the best fixed k",
+    "synthetic: bulk p=0.85, tail p=0.2, x10 | Xeon (AMX)": "0.940 of the oracle",
     "synthetic: bulk p=0.85, tail p=0.2, x10 | EPYC, no bf16 (float32, AVX2)": (
-        "0.950 of the oracle (0.9496)"
+        "0.939 of the oracle, 0.976 of k = 0"
     ),
+    "end | EPYC, no bf16 (float32, AVX2), costs 1.1-1.25x": "0.969 of k = 0",
     "synthetic: bulk p=0.85, tail p=0.2, x10 | EPYC, no bf16 (float32, AVX2), costs 1.1-1.25x": (
-        "0.978 of k = 0"
+        "0.968 of k = 0"
+    ),
+    "synthetic: bulk p=0.85, tail p=0.2, x10 | GPU, Llama-3.1-8B (modelled)": (
+        "0.977 of the best fixed k"
     ),
 }
 NO_PROFILE_MISSED = {
-    "synthetic: bulk p=0.85, tail p=0.2, x10 | Xeon (AMX)": "0.950 of the profiled engine (0.9499)",
-    "start | GPU, Llama-3.1-8B (modelled), first rollout 1.8x slower": "0.947",
+    "synthetic: bulk p=0.85, tail p=0.2, x10 | GPU, Llama-3.1-8B (modelled)": "0.947",
+    "untrained_t1 | GPU, Llama-3.1-8B (modelled), first rollout 1.8x slower": "0.939",
+    "past_eos, then end (one controller) | EPYC, no bf16 (float32, AVX2), first rollout 1.8x slower": (
+        "0.949"
+    ),
 }
 
 
@@ -95,3 +106,25 @@ def test_a_draft_covers_the_positions_it_made_and_a_whole_chain_goes_on():
     runs = request_runs(Request(10, 10, None, [(1, 4, 2), (4, 4, 4), (9, 4, 0)]))
     assert runs.tolist() == [2, 2, 1, 0, 4, 3, 2, 1, 0, 0]
     # position 0 (the prefill's token) takes the next draft's value
+
+
+def test_step_times_stray_in_slow_spells_as_measured():
+    """The noise handed to the controller is what the float32 host measured: within a
+    rollout sd ~0.105, lag-1 autocorrelation ~0.69 and still ~0.25 ten steps on, and each
+    rollout offset as a whole."""
+    rng = np.random.default_rng(0)
+    rollouts = []
+    for _ in range(200):
+        draws = NOISE.draws(rng)
+        rollouts.append(np.array([next(draws) for _ in range(300)]))
+    offsets = np.array([x.mean() for x in rollouts])
+    within = [x - x.mean() for x in rollouts]
+
+    def lag(n):
+        return np.mean([np.corrcoef(x[:-n], x[n:])[0, 1] for x in within])
+
+    assert 0.09 < np.mean([x.std() for x in within]) < 0.12
+    assert 0.6 < lag(1) < 0.75
+    assert 0.15 < lag(10) < 0.35
+    assert lag(50) < 0.1
+    assert 0.05 < offsets.std() < 0.1
