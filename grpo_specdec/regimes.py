@@ -12,8 +12,9 @@ step, then decode steps over the requests still running, each at the k its polic
 chooses, each request advancing by min(run, k) + 1 tokens. A step costs what the profile's
 own timed steps say (`MeasuredSteps`) plus what the profile does not time (sampling at
 T > 0), times `cost_scale(k)`; our controller is handed back what the scheduler would
-hand it: each verified draft (flagged past EOS where it is), each step's time strayed as
-a busy 2-core host strays it (`StepNoise`, measured: slow spells that last tens of steps,
+hand it: each verified draft (flagged past EOS where it is), the time of each step
+that ran the k of the step before it (as the scheduler times them), strayed as a busy
+2-core host strays it (`StepNoise`, measured: slow spells that last tens of steps,
 so that a price timed in one spell is off in the next), a restart at each rollout (the
 job swaps weights between rollouts).
 
@@ -326,6 +327,7 @@ def replay(
     for rollout in trace.rollouts[rollouts]:
         world = World(rollout.requests, k_max)
         timing = noise.draws(rng)
+        previous_k = None
         n = len(world.outputs)
         ids = np.array([f"r{i}" for i in range(n)])
         position = np.ones(n, dtype=np.int64)  # the prefill step makes each first token
@@ -351,7 +353,12 @@ def replay(
                     before = position[running] <= world.eos[running]
                     for r, a, ok in zip(running, accepted, before):
                         controller.drafts_verified(ids[r], k, int(a), bool(ok))
-                controller.step_timed(batch, k, context, ms * math.exp(next(timing)))
+                strayed = ms * math.exp(next(timing))  # the host strays every step
+                # The scheduler times only a step whose k sized the drafts it verifies too
+                # (a step that changes k verifies one k and drafts another).
+                if previous_k == k:
+                    controller.step_timed(batch, k, context, strayed)
+            previous_k = k
             made = np.minimum(accepted + 1, world.outputs[running] - position[running])
             position[running] += made
             contexts[running] += made
