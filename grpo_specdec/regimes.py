@@ -310,23 +310,16 @@ class Result:
 
 
 def replay(
-    trace: Trace,
-    costs: Costs,
-    policy,
-    k_max: int,
-    seed: int = 0,
-    rollouts: slice = slice(None),
-    noise: StepNoise | None = None,
+    trace: Trace, costs: Costs, policy, k_max: int, seed: int = 0, rollouts: slice = slice(None)
 ) -> Result:
     """Replay `trace`'s rollouts one after another under `policy` (a Policy, a
     `GoodputController`, fed back as the scheduler feeds it, or an `Oracle`)."""
     rng = np.random.default_rng(seed)
-    noise = noise or NOISE
     controller = policy if hasattr(policy, "drafts_verified") else None
     total_ms, tokens, k_steps = 0.0, 0, {}
     for rollout in trace.rollouts[rollouts]:
         world = World(rollout.requests, k_max)
-        timing = noise.draws(rng)
+        timing = NOISE.draws(rng)
         previous_k = None
         n = len(world.outputs)
         ids = np.array([f"r{i}" for i in range(n)])
