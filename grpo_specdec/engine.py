@@ -375,6 +375,7 @@ class Engine:
             return
         _LIVE_IN_PROCESS.discard(self)
         stop_engine(engine, others_alive=bool(_LIVE_IN_PROCESS))
+        self._weights.engine_stopped()
         del self.llm
 
 

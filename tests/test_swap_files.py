@@ -72,6 +72,21 @@ def test_a_full_swap_folder_is_named_with_the_fix(monkeypatch):
     assert not list(folder.glob("policy-v1-p*"))  # the partial file is gone
 
 
+def test_the_trainer_removes_the_folder_of_an_engine_whose_worker_was_killed():
+    """vLLM kills a worker that takes over 5 s to end, before it removes its own folder."""
+    from vllm_plugin.weights.trainer import LLMWeights
+
+    folder = engine_swap_folder("killed-engine")
+    llm = SimpleNamespace(collective_rpc=lambda method, *a, **k: [str(folder)])
+    never_asked = LLMWeights(llm)
+    never_asked.engine_stopped()  # it was never told a folder: nothing to remove
+    assert folder.is_dir()
+    weights = LLMWeights(llm)
+    assert weights._client.swap_folder() == str(folder)
+    weights.engine_stopped()
+    assert not folder.exists()
+
+
 def test_a_trainer_writes_only_to_an_engine_s_private_folder_inside_the_user_s(tmp_path):
     """An engine names its folder; a trainer writes there only if it is one of the user's
     engines' folders, private, so that a server answering with any other path (its own

@@ -60,6 +60,11 @@ class LLMClient:
             self._swap_folder = agreed_folder(self.llm.collective_rpc("grpo_swap_folder"))
         return self._swap_folder
 
+    @property
+    def known_swap_folder(self) -> str | None:
+        """The swap folder the engine named, if it was asked (None otherwise)."""
+        return self._swap_folder
+
     def reset_prefix_cache(self) -> None:
         check_cache_reset(self.llm.reset_prefix_cache(reset_running_requests=True))
 

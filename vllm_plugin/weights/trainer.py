@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -38,7 +39,7 @@ from vllm_plugin.weights.lifecycle import run_update
 from vllm_plugin.weights.manifest import MixedWeightsError
 from vllm_plugin.weights.rank_weights import ROLES, agreed_versions, merged_mixed, mixed_reasons
 from vllm_plugin.weights.shm_transfer import BACKEND
-from vllm_plugin.weights.swap_folder import swap_file
+from vllm_plugin.weights.swap_folder import remove_engine_folder, swap_file
 
 
 @dataclass
@@ -150,6 +151,15 @@ class LLMWeights:
         mixed = merged_mixed(self.llm.collective_rpc("grpo_mixed_weights"))
         if mixed:
             raise MixedWeightsError("refusing to generate: " + "; ".join(mixed_reasons(mixed)))
+
+    def engine_stopped(self) -> None:
+        """Remove the stopped engine's swap folder if it is still there: each rank removes
+        it as it ends (`ShmWeightTransferEngine.shutdown`), but vLLM kills a worker that takes
+        over VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to end, which a busy machine makes
+        happen, and the folder would then stay in shared memory until the machine restarts."""
+        folder = self._client.known_swap_folder
+        if folder is not None:
+            remove_engine_folder(Path(folder))
 
 
 def register() -> None:
