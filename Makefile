@@ -40,8 +40,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Two pytest-xdist workers, each kept to one core (tests/conftest.py), a whole file to a
-# worker (a module's shared engine starts once), the files with slow tests handed out first:
-# 15-21 min here against 23 in one process. WORKERS=0 runs the suite in this one process.
+# worker (a module's shared engine starts once), the files with slow tests handed out first
+# (45-53 minutes on a 2-core AMD EPYC without bfloat16). WORKERS=0 runs it in one process.
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
