@@ -278,9 +278,13 @@ def known_costs(assets: Path) -> list[Costs]:
     read = lambda name: json.loads((assets / name).read_text())  # noqa: E731
     gpu = read("gpu_profile_published_llama31_8b.json")
     return [
-        profile_costs("Xeon (AMX)", read("rollout_throughput.json")["profiles"]["greedy"], True),
         profile_costs(
-            "EPYC (AVX512-BF16)", read("rollout_throughput_epyc.json")["profiles"]["greedy"], True
+            "Xeon (AMX)", read("rollout_throughput.json")["profiles"]["greedy"], timed_greedy=True
+        ),
+        profile_costs(
+            "EPYC (AVX512-BF16)",
+            read("rollout_throughput_epyc.json")["profiles"]["greedy"],
+            timed_greedy=True,
         ),
         # float32 SmolLM2 on AVX2, drafts sampled (`grpo-specdec profile --draft-sampling
         # probabilistic`): the machine of the float32 demos (docs/benchmarks/demo.md)
